@@ -1,0 +1,34 @@
+# The README's commands. Each sets up what it needs on a fresh machine (Python 3.11+).
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PROMPT ?= What is 12 + 30?
+
+.PHONY: run test bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $@ $(VENV)/.installed
+
+## make run: install and generate on the embedded default model
+run: $(VENV)/.installed
+	$(BIN)/mbd-jax generate --prompt "$(PROMPT)" --max-new-tokens 32
+
+## make test: install with the dev extras and run the whole suite
+test: $(VENV)/.installed-dev
+	$(BIN)/python -m pytest -q
+
+## make bench: the decode benchmark on the default model (JSON on stdout, table on stderr)
+bench: $(VENV)/.installed
+	$(BIN)/mbd-jax bench decode --buffer-size 1,2,4 --json
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,126 @@
+"""Decode benchmark: tokens/s, TPF, step latency, compile time, memory, and model-FLOP utilisation.
+
+Every buffer size runs on the same prompts in one process; compare variants as ratios within a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import statistics
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mbd_jax import compile_stats
+from mbd_jax.config import DecodeConfig, ModelConfig
+from mbd_jax.engine import Engine
+
+
+def matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
+    """Measured dense float32 matmul throughput of the default device, GFLOP/s (median)."""
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, a).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a, a).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def step_flops(cfg: ModelConfig, batch: int, window: int, context: float) -> float:
+    """Useful model FLOPs of one decode forward: 2 x active (non-embedding) parameters per token,
+    plus attention scores and values over `context` visible keys (routed experts only)."""
+    per_token = 2 * (cfg.active_params_per_token() - cfg.vocab_size * cfg.hidden_size)
+    if cfg.tie_word_embeddings:  # the head reuses the embedding table
+        per_token += 2 * cfg.vocab_size * cfg.hidden_size
+    attn = 4 * context * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    return batch * window * (per_token + attn)
+
+
+def peak_memory_mb() -> float:
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    if stats and "peak_bytes_in_use" in stats:
+        return stats["peak_bytes_in_use"] / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # host RSS (Linux: KiB)
+
+
+def bench_decode(cfg: ModelConfig, params: Any, *, batch: int, prompt_len: int, new_tokens: int,
+                 buffer_sizes: list[int], decode: DecodeConfig, repeats: int, seed: int = 0,
+                 prefill_chunk: int = 256) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    banned = {cfg.mask_token_id, *cfg.eos_token_ids}
+    allowed = np.array([i for i in range(cfg.vocab_size) if i not in banned], np.int32)
+    prompts = [rng.choice(allowed, prompt_len).tolist() for _ in range(batch)]
+    gflops = matmul_gflops()
+    rows = []
+    for n_buf in buffer_sizes:
+        d = dataclasses.replace(decode, buffer_size=n_buf, max_new_tokens=new_tokens)
+        c0, s0 = compile_stats.compiles(), compile_stats.compile_seconds()
+        t0 = time.perf_counter()
+        engine = Engine(cfg, params, batch_size=batch, buffer_size=n_buf,
+                        prefill_chunk=min(prefill_chunk, cfg.max_seq_len))
+        engine.warmup()
+        warm_s = time.perf_counter() - t0
+        compiles_warm = compile_stats.compiles() - c0
+        compile_s = compile_stats.compile_seconds() - s0
+        step_times, tok_s, tpf, nfe, bubbles, gen_s = [], [], [], [], [], []
+        c1 = compile_stats.compiles()
+        for _ in range(repeats):
+            engine.call_log.clear()
+            t = time.perf_counter()
+            res = engine.generate(prompts, d)
+            dt = time.perf_counter() - t
+            gen_s.append(dt)
+            tok_s.append(sum(len(r.token_ids) for r in res) / dt)
+            tpf.append(statistics.mean(r.tpf for r in res))
+            nfe.append(statistics.mean(r.nfe for r in res))
+            bubbles.append(sum(r.bubble_forwards for r in res) / max(sum(r.nfe for r in res), 1))
+            step_times += [s / k for s, k in engine.call_log if k > 0]
+        step = statistics.median(step_times)
+        context = prompt_len + new_tokens / 2  # mean visible keys over the run
+        flops = step_flops(cfg, batch, n_buf * cfg.block_size, context)
+        rows.append({
+            "buffer_size": n_buf,
+            "tokens_per_s": statistics.median(tok_s),
+            "tpf": statistics.median(tpf),
+            "nfe": statistics.median(nfe),
+            "bubble_share": statistics.median(bubbles),
+            "step_ms": step * 1e3,
+            "generate_s": statistics.median(gen_s),
+            "compile_s": compile_s,
+            "warmup_s": warm_s,
+            "compiles_warmup": compiles_warm,
+            "compiles_after_warmup": compile_stats.compiles() - c1,
+            "step_gflop": flops / 1e9,
+            "achieved_gflops": flops / step / 1e9,
+            "utilisation": flops / step / 1e9 / gflops,
+            "peak_memory_mb": peak_memory_mb(),
+            "kv_mb": engine.kv.nbytes() / 2**20,
+        })
+    return {
+        "model": cfg.name, "params": cfg.num_params(), "active_params": cfg.active_params_per_token(),
+        "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
+        "decode": dataclasses.asdict(decode), "device": str(jax.devices()[0].device_kind),
+        "backend": jax.default_backend(), "matmul_gflops": gflops, "rows": rows,
+    }
+
+
+def format_table(report: dict[str, Any]) -> str:
+    head = (f"{report['model']} ({report['params'] / 1e6:.1f}M params, "
+            f"{report['active_params'] / 1e6:.1f}M active), batch {report['batch']}, prompt "
+            f"{report['prompt_len']}, new {report['new_tokens']}, {report['backend']}, matmul "
+            f"{report['matmul_gflops']:.0f} GFLOP/s")
+    cols = ["buffer_size", "tokens_per_s", "tpf", "bubble_share", "step_ms", "compile_s",
+            "achieved_gflops", "utilisation", "peak_memory_mb", "compiles_after_warmup"]
+    lines = [head, " ".join(f"{c:>14}" for c in cols)]
+    for r in report["rows"]:
+        lines.append(" ".join(f"{r[c]:>14.4g}" if isinstance(r[c], float) else f"{r[c]:>14}"
+                              for c in cols))
+    return "\n".join(lines)

@@ -1,0 +1,156 @@
+"""`mbd-jax` command line: generate, bench decode.
+
+User mistakes (bad flags, configs, prompts) print `error: ...` naming the field and exit 2;
+they never print a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mbd_jax.errors import UserError
+
+DEFAULT_MODEL = "tiny-random"
+
+
+def _add_decode_flags(p: argparse.ArgumentParser, buffer_size_list: bool = False) -> None:
+    g = p.add_argument_group("decoding (see DecodeConfig)")
+    g.add_argument("--max-new-tokens", type=int, help="tokens to generate at most (default 128)")
+    g.add_argument("--threshold", "--accept-threshold", dest="accept_threshold", type=float,
+                   help="tau_accept: accept masked positions above this confidence (default 0.95)")
+    if buffer_size_list:  # benches compare several sizes on the same prompts
+        g.add_argument("--buffer-size", dest="buffer_size_list", default="1",
+                       help="comma-separated N_buf values to compare, e.g. 1,2,4")
+        p.set_defaults(buffer_size=None)
+    else:
+        g.add_argument("--buffer-size", type=int, help="N_buf, blocks decoded at once (1 = SingleBD)")
+    g.add_argument("--add-block-threshold", type=float, help="tau_add (default 0.1)")
+    g.add_argument("--semi-complete-threshold", type=float, help="tau_semi (default 0.9)")
+    g.add_argument("--token-stability-threshold", type=float, help="tau_stable (default 0)")
+    g.add_argument("--policy", choices=["threshold", "fixed_steps"], help="unmask rule")
+    g.add_argument("--steps-per-block", type=int, help="fixed_steps: steps per block")
+    g.add_argument("--temperature", type=float, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, help="nucleus sampling mass (default 1)")
+    g.add_argument("--seed", type=int, help="sampling seed (default 0)")
+    g.add_argument("--max-nfe", type=int, help="decode forwards per request at most (default 1024)")
+
+
+def _decode_config(args: argparse.Namespace):
+    from mbd_jax.config import decode_config
+
+    return decode_config(
+        buffer_size=args.buffer_size, accept_threshold=args.accept_threshold,
+        add_block_threshold=args.add_block_threshold,
+        semi_complete_threshold=args.semi_complete_threshold,
+        token_stability_threshold=args.token_stability_threshold, policy=args.policy,
+        steps_per_block=args.steps_per_block, temperature=args.temperature, top_p=args.top_p,
+        seed=args.seed, max_new_tokens=args.max_new_tokens, max_nfe=args.max_nfe)
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise UserError(f"--prompt-ids {text!r}: expected comma-separated integers, e.g. 1,2,3") from None
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from mbd_jax.checkpoint import load_model
+    from mbd_jax.engine import Engine
+    from mbd_jax.profiling import maybe_trace
+
+    decode = _decode_config(args)
+    prompts_text = list(args.prompt or [])
+    prompts_ids = [_parse_ids(t) for t in (args.prompt_ids or [])]
+    if not prompts_text and not prompts_ids:
+        raise UserError("give at least one --prompt TEXT or --prompt-ids 1,2,3")
+    if any(t == "" for t in prompts_text):
+        raise UserError("--prompt: empty prompt; give some text")
+    model = load_model(args.model)
+    if prompts_text and model.tokenizer is None:
+        raise UserError(f"--model {args.model} has no tokenizer; use --prompt-ids")
+    prompts = [model.tokenizer.encode(t) for t in prompts_text] + prompts_ids
+    engine = Engine(model.cfg, model.params, batch_size=args.batch_size or min(len(prompts), 8),
+                    buffer_size=decode.buffer_size)
+    for i, p in enumerate(prompts):  # fail before compiling anything
+        engine.check_prompt(p, where=f"prompt[{i}]")
+    with maybe_trace(args.profile):
+        results = engine.generate(prompts, decode)
+    for r in results:
+        if model.tokenizer is not None:
+            r.text = model.tokenizer.decode(r.token_ids)
+        if args.json:
+            print(json.dumps(r.to_json()))
+        else:
+            print(r.text if r.text is not None else r.token_ids)
+            print(f"[{r.finish_reason}] tokens={len(r.token_ids)} nfe={r.nfe} tpf={r.tpf:.2f} "
+                  f"bubbles={r.bubble_forwards} seconds={r.seconds:.3f}", file=sys.stderr)
+    return 0
+
+
+def cmd_bench_decode(args: argparse.Namespace) -> int:
+    from mbd_jax.bench import bench_decode, format_table
+    from mbd_jax.checkpoint import load_model
+    from mbd_jax.model.transformer import init_params
+
+    decode = _decode_config(args)
+    try:
+        sizes = [int(s) for s in str(args.buffer_size_list).split(",")]
+    except ValueError:
+        raise UserError(f"--buffer-size {args.buffer_size_list!r}: expected integers like 1,2,4") from None
+    model = load_model(args.model, with_weights=not args.random_weights)
+    params = init_params(model.cfg) if args.random_weights else model.params
+    report = bench_decode(model.cfg, params, batch=args.batch, prompt_len=args.prompt_len,
+                          new_tokens=args.new_tokens, buffer_sizes=sizes, decode=decode,
+                          repeats=args.repeats)
+    print(format_table(report), file=sys.stderr)
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="mbd-jax", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    g.add_argument("--model", default=DEFAULT_MODEL, help="preset name, YAML file or model dir")
+    g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    g.add_argument("--prompt-ids", action="append", help="prompt token ids, e.g. 1,2,3 (repeatable)")
+    g.add_argument("--batch-size", type=int, help="rows decoded together (default: #prompts, <= 8)")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    g.add_argument("--profile", metavar="DIR", help="write a JAX profiler trace to DIR")
+    _add_decode_flags(g)
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    d = bsub.add_parser("decode", help="decode throughput, TPF and step latency per buffer size")
+    d.add_argument("--model", default=DEFAULT_MODEL)
+    d.add_argument("--random-weights", action="store_true",
+                   help="random weights for a shape-only preset (e.g. llada2-mini on a GPU)")
+    d.add_argument("--batch", type=int, default=4)
+    d.add_argument("--prompt-len", type=int, default=64)
+    d.add_argument("--new-tokens", type=int, default=64)
+    d.add_argument("--repeats", type=int, default=3)
+    d.add_argument("--json", action="store_true")
+    _add_decode_flags(d, buffer_size_list=True)
+    d.set_defaults(func=cmd_bench_decode)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""Configs as validated dataclasses, loaded from YAML.
+
+Every config is a frozen dataclass. `from_dict` rejects unknown fields and ill-typed values with a
+`ConfigError` that names the field and what is allowed; `validate` checks cross-field constraints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import typing
+from typing import Any, Literal
+
+import yaml
+
+from mbd_jax.errors import ConfigError
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+MODEL_PRESET_DIR = REPO_ROOT / "configs" / "models"
+
+RouterType = Literal["softmax_topk", "sigmoid_grouped"]
+MoeImpl = Literal["dense", "ragged"]
+AttentionImpl = Literal["chunked", "dense"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return value in typing.get_args(tp)
+    if origin in (tuple, list):
+        args = typing.get_args(tp)
+        return isinstance(value, (list, tuple)) and all(_type_ok(v, args[0]) for v in value)
+    if origin is typing.Union:
+        return any(_type_ok(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    return True
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (tuple, list):
+        return f"a list of {_describe(typing.get_args(tp)[0])}"
+    if origin is typing.Union:
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def from_dict(cls, data: Any, where: str):
+    """Builds dataclass `cls` from a mapping, naming any unknown, missing or ill-typed field."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of fields, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown field(s) {', '.join(unknown)}; allowed fields: {', '.join(fields)}"
+        )
+    kwargs = {}
+    for name, f in fields.items():
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{where}: missing required field '{name}' ({_describe(hints[name])})")
+            continue
+        value = data[name]
+        if not _type_ok(value, hints[name]):
+            raise ConfigError(
+                f"{where}: field '{name}' must be {_describe(hints[name])}, got {value!r}"
+            )
+        if typing.get_origin(hints[name]) in (tuple, list) and value is not None:
+            value = tuple(value)
+        kwargs[name] = value
+    obj = cls(**kwargs)
+    obj.validate(where)
+    return obj
+
+
+def _check(cond: bool, where: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{where}: {msg}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of one block-diffusion transformer (LLaDA2 / SDAR / Qwen3-MoE families)."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    # Dense SwiGLU MLP (used by the first `first_k_dense` layers, or all layers if num_experts == 0).
+    intermediate_size: int
+    first_k_dense: int = 0
+    # Mixture of experts (layers >= first_k_dense when num_experts > 0).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    num_shared_experts: int = 0
+    router: RouterType = "softmax_topk"
+    norm_topk_prob: bool = True
+    n_group: int = 1  # sigmoid_grouped: experts are split into n_group groups ...
+    topk_group: int = 1  # ... and only the best topk_group groups may be chosen
+    routed_scaling_factor: float = 1.0
+    moe_impl: MoeImpl = "dense"
+    # Attention.
+    rope_theta: float = 10000.0
+    rotary_fraction: float = 1.0  # share of head_dim that is rotated (LLaDA2: 0.5)
+    qk_norm: bool = True
+    rms_norm_eps: float = 1e-6
+    attention_impl: AttentionImpl = "chunked"
+    attention_chunk: int = 256  # keys per online-softmax chunk in the chunked path
+    tie_word_embeddings: bool = False
+    # Block diffusion.
+    max_seq_len: int = 4096
+    block_size: int = 32
+    mask_token_id: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int = 0
+    # Numerics.
+    param_dtype: DType = "float32"
+    compute_dtype: DType = "float32"
+    # Weights: a random init from `seed` (tiny presets, benches) or a checkpoint directory.
+    init: Literal["random", "checkpoint", "none"] = "none"
+    seed: int = 0
+    init_std: float = 0.02
+    tokenizer: str | None = None  # path, relative to the YAML file's folder, or null
+
+    def validate(self, where: str = "model") -> None:
+        for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                  "intermediate_size", "max_seq_len", "block_size", "attention_chunk"):
+            _check(getattr(self, f) > 0, where, f"field '{f}' must be > 0, got {getattr(self, f)}")
+        _check(self.num_heads % self.num_kv_heads == 0, where,
+               f"field 'num_heads' ({self.num_heads}) must be a multiple of 'num_kv_heads' "
+               f"({self.num_kv_heads})")
+        _check(0 <= self.first_k_dense <= self.num_layers, where,
+               f"field 'first_k_dense' must be in [0, num_layers={self.num_layers}]")
+        _check(0.0 < self.rotary_fraction <= 1.0, where, "field 'rotary_fraction' must be in (0, 1]")
+        rot = self.rotary_dim
+        _check(rot % 2 == 0, where, f"rotary_fraction * head_dim = {rot} must be even")
+        _check(self.max_seq_len % self.block_size == 0, where,
+               f"field 'max_seq_len' ({self.max_seq_len}) must be a multiple of 'block_size' "
+               f"({self.block_size})")
+        for f in ("mask_token_id", "pad_token_id"):
+            v = getattr(self, f)
+            _check(0 <= v < self.vocab_size, where, f"field '{f}' must be in [0, vocab_size), got {v}")
+        _check(len(self.eos_token_ids) > 0, where, "field 'eos_token_ids' must list at least one id")
+        for e in self.eos_token_ids:
+            _check(0 <= e < self.vocab_size and e != self.mask_token_id, where,
+                   f"field 'eos_token_ids' has {e}: ids must be in [0, vocab_size) and differ "
+                   "from mask_token_id")
+        if self.num_experts > 0:
+            _check(self.first_k_dense < self.num_layers, where,
+                   "num_experts > 0 but first_k_dense == num_layers leaves no MoE layer")
+            _check(0 < self.num_experts_per_tok <= self.num_experts, where,
+                   f"field 'num_experts_per_tok' must be in [1, num_experts={self.num_experts}]")
+            _check(self.moe_intermediate_size > 0, where, "field 'moe_intermediate_size' must be > 0")
+            _check(self.num_experts % self.n_group == 0, where,
+                   f"field 'n_group' ({self.n_group}) must divide num_experts ({self.num_experts})")
+            _check(1 <= self.topk_group <= self.n_group, where,
+                   f"field 'topk_group' must be in [1, n_group={self.n_group}]")
+            if self.router == "sigmoid_grouped":
+                per_group = self.num_experts // self.n_group
+                _check(per_group >= 2 or self.n_group == 1, where,
+                       "sigmoid_grouped needs >= 2 experts per group (group score = top-2 sum)")
+                _check(self.num_experts_per_tok <= self.topk_group * per_group, where,
+                       "num_experts_per_tok exceeds the experts in the kept groups "
+                       f"(topk_group * num_experts / n_group = {self.topk_group * per_group})")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(round(self.head_dim * self.rotary_fraction))
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer >= self.first_k_dense
+
+    def num_params(self) -> int:
+        d, h, kvh, hd = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+        attn = d * (h + 2 * kvh) * hd + h * hd * d + (2 * hd if self.qk_norm else 0) + 2 * d
+        total = self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + d
+        for layer in range(self.num_layers):
+            total += attn
+            if self.is_moe_layer(layer):
+                f = self.moe_intermediate_size
+                total += self.num_experts * 3 * d * f + d * self.num_experts
+                total += self.num_shared_experts * 3 * d * f
+                total += self.num_experts if self.router == "sigmoid_grouped" else 0
+            else:
+                total += 3 * d * self.intermediate_size
+        return total
+
+    def active_params_per_token(self) -> int:
+        """Parameters touched per token (the MoE counts only the routed top-k and shared experts)."""
+        if self.num_experts == 0:
+            return self.num_params()
+        f = self.moe_intermediate_size
+        unused = (self.num_experts - self.num_experts_per_tok) * 3 * self.hidden_size * f
+        n_moe = self.num_layers - self.first_k_dense
+        return self.num_params() - n_moe * unused
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedConfig:
+    """A model config plus where it came from (to resolve relative paths)."""
+
+    model: ModelConfig
+    source: pathlib.Path
+
+
+def load_yaml(path: pathlib.Path) -> Any:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: malformed YAML: {e}") from None
+
+
+def load_model_config(path: str | pathlib.Path) -> ModelConfig:
+    path = pathlib.Path(path)
+    return from_dict(ModelConfig, load_yaml(path), where=str(path))
+
+
+def available_presets() -> list[str]:
+    return sorted(p.stem for p in MODEL_PRESET_DIR.glob("*.yaml"))
+
+
+def resolve_model_path(model: str) -> pathlib.Path:
+    """A preset name, a YAML file, or a directory holding config.yaml (a converted/trained model)."""
+    p = pathlib.Path(model)
+    if p.is_dir():
+        if not (p / "config.yaml").is_file():
+            raise ConfigError(f"--model {model}: the directory has no config.yaml")
+        return p / "config.yaml"
+    if p.is_file():
+        return p
+    preset = MODEL_PRESET_DIR / f"{model}.yaml"
+    if preset.is_file():
+        return preset
+    raise ConfigError(
+        f"--model {model!r}: not a preset, a YAML file or a model directory; "
+        f"presets: {', '.join(available_presets())}"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """How one request is decoded. SingleBD is buffer_size 1; MultiBD is the same loop with more."""
+
+    buffer_size: int = 1  # N_buf: blocks decoded at once
+    accept_threshold: float = 0.95  # tau_accept: accept masked positions more confident than this
+    add_block_threshold: float = 0.1  # tau_add: activate the next block once the last is this full
+    semi_complete_threshold: float = 0.9  # tau_semi: a block's top-1 fallback needs this much of its predecessor
+    token_stability_threshold: float = 0.0  # tau_stable: share of the last block the model keeps
+    policy: Literal["threshold", "fixed_steps"] = "threshold"
+    steps_per_block: int = 8  # fixed_steps: block_size / steps_per_block tokens per step
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0
+    max_new_tokens: int = 128
+    max_nfe: int = 1024  # decode forwards per request
+
+    def validate(self, where: str = "decoding") -> None:
+        _check(self.buffer_size >= 1, where, f"field 'buffer_size' must be >= 1, got {self.buffer_size}")
+        for f in ("accept_threshold", "semi_complete_threshold", "token_stability_threshold"):
+            v = getattr(self, f)
+            _check(0.0 <= v <= 1.0, where, f"field '{f}' must be in [0, 1], got {v}")
+        _check(0.0 <= self.add_block_threshold, where,
+               f"field 'add_block_threshold' must be >= 0 (above 1 never adds early), got "
+               f"{self.add_block_threshold}")
+        _check(self.steps_per_block >= 1, where,
+               f"field 'steps_per_block' must be >= 1, got {self.steps_per_block}")
+        _check(self.temperature >= 0.0, where, f"field 'temperature' must be >= 0, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, where, f"field 'top_p' must be in (0, 1], got {self.top_p}")
+        _check(0 <= self.seed < 2**31, where, f"field 'seed' must be in [0, 2^31), got {self.seed}")
+        _check(self.max_new_tokens >= 1, where,
+               f"field 'max_new_tokens' must be >= 1, got {self.max_new_tokens}")
+        _check(self.max_nfe >= 1, where, f"field 'max_nfe' must be >= 1, got {self.max_nfe}")
+
+    def tokens_per_step(self, block_size: int) -> int:
+        return max(1, -(-block_size // self.steps_per_block))
+
+
+def decode_config(**overrides: Any) -> DecodeConfig:
+    """A DecodeConfig from keyword overrides (None values keep the default), validated."""
+    return from_dict(DecodeConfig, {k: v for k, v in overrides.items() if v is not None},
+                     where="decoding")

@@ -1,0 +1,87 @@
+"""The jitted decoding programs: prefill, one decode step, and the while-loop of steps.
+
+All three call the same model forward. The engine jits them with the KV buffer (and the decode
+state) donated, so the buffer is updated in place and never copied.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from mbd_jax.config import ModelConfig
+from mbd_jax.decoding import block_buffer, policy
+from mbd_jax.decoding.block_buffer import DecodeState
+from mbd_jax.kv import KVCache
+
+ApplyFn = Callable[..., tuple[jax.Array, KVCache]]
+
+
+def prefill(params: Any, kv: KVCache, tokens: jax.Array, start: jax.Array, full_len: jax.Array,
+            rows: jax.Array, scratch_offset: int, *, apply_fn: ApplyFn) -> KVCache:
+    """Writes the KV of prompt positions [start, start + T) for the selected rows.
+
+    tokens: [B, T]; start: scalar; full_len: [B] length of each row's full prompt blocks; rows: [B]
+    bool, rows to prefill. Other rows write to the scratch region past every real position, so a
+    running row's KV is untouched (this lets the engine admit a request while others decode).
+    """
+    b, t = tokens.shape
+    positions = start + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    offset = jnp.where(rows, start, scratch_offset).astype(jnp.int32)
+    visible = jnp.where(rows, jnp.minimum(full_len, start + t), 1).astype(jnp.int32)
+    _, kv = apply_fn({"params": params}, tokens, positions, kv, offset, visible)
+    return kv
+
+
+def decode_step(params: Any, state: DecodeState, kv: KVCache, *, apply_fn: ApplyFn,
+                cfg: ModelConfig, n_slots: int) -> tuple[DecodeState, KVCache]:
+    """One forward over every row's buffer (N * blk tokens), unmasking, and the bookkeeping."""
+    blk = cfg.block_size
+    w = n_slots * blk
+    p = state.params
+    win = block_buffer.window(state, w)  # [B, W]
+    positions = state.cached_len[:, None] + jnp.arange(w, dtype=jnp.int32)
+    visible = jnp.maximum(state.cached_len + state.n_valid * blk, 1)
+    logits, kv = apply_fn({"params": params}, win, positions, kv, state.cached_len, visible)
+
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(p.seed, state.nfe)
+    token, confidence, greedy = policy.predict(logits, cfg.mask_token_id, p.temperature, p.top_p,
+                                               keys)
+    slot = jnp.arange(w) // blk
+    active = (slot[None] >= state.n_to_cache[:, None]) & (slot[None] < state.n_valid[:, None])
+    in_limit = positions < p.limit[:, None]  # positions past max_new_tokens are never generated
+    maskable = (win == cfg.mask_token_id) & active & in_limit & ~state.done[:, None]
+
+    # Filled share of each slot's predecessor (slot 0's predecessor is cached: complete).
+    fill = jnp.mean((win != cfg.mask_token_id).reshape(-1, n_slots, blk), axis=-1)
+    prev_fill = jnp.concatenate([jnp.ones_like(fill[:, :1]), fill[:, :-1]], axis=1)
+    accepted = policy.select(confidence, maskable, prev_fill, p.policy, p.accept_threshold,
+                             p.tokens_per_step, p.semi_complete_threshold, n_slots)
+    new_win = jnp.where(accepted, token, win)
+    state = block_buffer.advance(state, win, new_win, accepted, greedy, block_size=blk,
+                                 n_slots=n_slots, eos_ids=cfg.eos_token_ids,
+                                 mask_token_id=cfg.mask_token_id)
+    return state, kv
+
+
+def decode_loop(params: Any, state: DecodeState, kv: KVCache, max_steps: jax.Array, *,
+                apply_fn: ApplyFn, cfg: ModelConfig, n_slots: int,
+                stop_on_finish: bool) -> tuple[DecodeState, KVCache, jax.Array]:
+    """Runs decode steps on device until every row is done, `max_steps` forwards ran, or (with
+    stop_on_finish) some row finished, so the host can refill it. Returns the steps run."""
+
+    def cond(carry):
+        st, _, steps, event = carry
+        return (steps < max_steps) & ~jnp.all(st.done) & ~event
+
+    def body(carry):
+        st, cache, steps, _ = carry
+        new_st, cache = decode_step(params, st, cache, apply_fn=apply_fn, cfg=cfg, n_slots=n_slots)
+        event = jnp.any(new_st.done & ~st.done) if stop_on_finish else jnp.asarray(False)
+        return new_st, cache, steps + 1, event
+
+    state, kv, steps, _ = jax.lax.while_loop(
+        cond, body, (state, kv, jnp.asarray(0, jnp.int32), jnp.asarray(False)))
+    return state, kv, steps

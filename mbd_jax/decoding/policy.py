@@ -1,0 +1,80 @@
+"""Unmasking rules: what to predict at each masked position, and which predictions to accept.
+
+Pure functions over one decode window. Shapes: B rows, W = N_buf * blk window tokens, V vocab,
+N buffer slots, blk block size. Per-row decoding parameters are [B] arrays, so rows with
+different settings share one compiled step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mbd_jax.model.layers import NEG_INF
+
+POLICY_THRESHOLD = 0
+POLICY_FIXED_STEPS = 1
+
+
+def _top_p_filter(logits: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Keeps the smallest set of tokens whose probability reaches top_p. logits: [B, W, V]."""
+    sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
+    n_keep = jnp.maximum(jnp.sum(before < top_p[:, None, None], axis=-1), 1)  # [B, W]
+    cutoff = jnp.take_along_axis(sorted_logits, (n_keep - 1)[..., None], axis=-1)
+    return jnp.where(logits >= cutoff, logits, NEG_INF)
+
+
+def predict(logits: jax.Array, mask_token_id: int, temperature: jax.Array, top_p: jax.Array,
+            keys: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Proposes a token and its confidence at every window position.
+
+    logits: [B, W, V] float32; temperature, top_p: [B]; keys: [B] PRNG keys (one per row, so a
+    row's samples do not depend on its batch neighbours). Returns (token [B, W], confidence [B, W]
+    = softmax probability of that token, mask excluded; greedy [B, W] argmax).
+    """
+    logits = logits.at[..., mask_token_id].set(NEG_INF)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sample():
+        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None, None]
+        scaled = _top_p_filter(scaled, top_p)
+        drawn = jax.vmap(lambda k, lg: jax.random.categorical(k, lg, axis=-1))(keys, scaled)
+        return jnp.where((temperature > 0)[:, None], drawn.astype(jnp.int32), greedy)
+
+    token = jax.lax.cond(jnp.any(temperature > 0), sample, lambda: greedy)
+    confidence = jnp.exp(jnp.take_along_axis(log_probs, token[..., None], axis=-1)[..., 0])
+    return token, confidence, greedy
+
+
+def select(confidence: jax.Array, maskable: jax.Array, prev_fill: jax.Array, policy: jax.Array,
+           accept_threshold: jax.Array, tokens_per_step: jax.Array,
+           semi_complete_threshold: jax.Array, n_slots: int) -> jax.Array:
+    """Which masked positions to fill this step. Returns bool [B, W].
+
+    confidence, maskable: [B, W] (maskable = masked and in an ACTIVE block of a live row);
+    prev_fill: [B, N] filled share of each slot's predecessor block (1 for the first slot, whose
+    predecessor is cached); per-row [B]: policy, accept_threshold, tokens_per_step,
+    semi_complete_threshold.
+
+    threshold:   accept every position with confidence > accept_threshold; a block that accepts
+                 none takes its single most confident position, if its predecessor is at least
+                 semi_complete_threshold filled.
+    fixed_steps: each block takes its tokens_per_step most confident positions, with the same
+                 predecessor gate.
+    """
+    b, w = confidence.shape
+    blk = w // n_slots
+    conf = jnp.where(maskable, confidence, -1.0).reshape(b, n_slots, blk)
+    can = maskable.reshape(b, n_slots, blk)
+    rank = jnp.argsort(jnp.argsort(-conf, axis=-1, stable=True), axis=-1, stable=True)
+    gate = (prev_fill >= semi_complete_threshold[:, None])[..., None]  # [B, N, 1]
+
+    confident = can & (conf > accept_threshold[:, None, None])
+    fallback = can & (rank == 0) & ~jnp.any(confident, axis=-1, keepdims=True) & gate
+    by_threshold = confident | fallback
+    by_steps = can & (rank < tokens_per_step[:, None, None]) & gate
+    fixed = (policy == POLICY_FIXED_STEPS)[:, None, None]
+    return jnp.where(fixed, by_steps, by_threshold).reshape(b, w)

@@ -1,0 +1,225 @@
+"""Engine: the thin stateful shell around the pure model and decoding functions.
+
+It owns the parameters, the preallocated KV buffer (B rows x S_cap positions) and the compiled
+programs (one decode loop, one prefill per length bucket), and turns token-id prompts into
+results. Shapes are static per engine: nothing compiles after `warmup()`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mbd_jax import kv as kvlib
+from mbd_jax.config import DecodeConfig, ModelConfig
+from mbd_jax.decoding import block_buffer, loop, policy
+from mbd_jax.decoding.block_buffer import FINISH_NAMES, DecodeState, RowParams
+from mbd_jax.errors import UserError
+from mbd_jax.model.transformer import Transformer
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    token_ids: list[int]  # generated tokens, without the terminating EOS
+    finish_reason: str  # stop | length | max_nfe
+    nfe: int  # decode forwards
+    tokens_unmasked: int
+    bubble_forwards: int  # forwards that unmasked no token (the storing bubble)
+    blocks: int  # blocks decoded (started)
+    max_active_blocks: int
+    prompt_tokens: int
+    seconds: float
+    text: str | None = None
+
+    @property
+    def tpf(self) -> float:
+        """Tokens per forward: tokens unmasked by decode steps / decode forwards."""
+        return self.tokens_unmasked / max(self.nfe, 1)
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["tokens"] = len(self.token_ids)
+        d["tpf"] = round(self.tpf, 4)
+        return d
+
+
+def prefill_buckets(block_size: int, prefill_chunk: int) -> list[int]:
+    """Prefill token counts that get compiled: block_size * 2^k, up to prefill_chunk."""
+    sizes, t = [], block_size
+    while t < prefill_chunk:
+        sizes.append(t)
+        t *= 2
+    return sizes + [prefill_chunk]
+
+
+class Engine:
+    def __init__(self, cfg: ModelConfig, params: Any, *, batch_size: int = 4, buffer_size: int = 1,
+                 prefill_chunk: int = 256, steps_per_call: int = 64):
+        if prefill_chunk % cfg.block_size:
+            raise UserError(f"prefill_chunk ({prefill_chunk}) must be a multiple of block_size "
+                            f"({cfg.block_size})")
+        if batch_size < 1 or buffer_size < 1:
+            raise UserError("batch_size and buffer_size must be >= 1")
+        self.cfg = cfg
+        self.params = params
+        self.batch_size = batch_size
+        self.buffer_size = buffer_size
+        self.prefill_chunk = min(prefill_chunk, cfg.max_seq_len)
+        self.steps_per_call = steps_per_call
+        # (seconds, decode steps) of the latest decode calls, for benches and metrics
+        self.call_log: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)
+        window = buffer_size * cfg.block_size
+        # Past every real position (max_seq_len + one window) lies a scratch region where rows that
+        # are not being prefilled write their share of a prefill call.
+        self.capacity = kvlib.kv_capacity(cfg, window + self.prefill_chunk)
+        self.scratch_offset = self.capacity - self.prefill_chunk
+        self.kv = kvlib.allocate(cfg, batch_size, self.capacity)
+        apply_fn = Transformer(cfg).apply
+        self._prefill = jax.jit(functools.partial(loop.prefill, apply_fn=apply_fn),
+                                static_argnames=("scratch_offset",), donate_argnames=("kv",))
+        self._decode = jax.jit(
+            functools.partial(loop.decode_loop, apply_fn=apply_fn, cfg=cfg, n_slots=buffer_size,
+                              stop_on_finish=False),
+            donate_argnames=("state", "kv"))
+
+    # ---------------------------------------------------------------- validation
+    def check_prompt(self, ids: Sequence[int], where: str = "prompt") -> None:
+        cfg = self.cfg
+        if len(ids) == 0:
+            raise UserError(f"{where}: empty prompt; give at least one token")
+        if len(ids) >= cfg.max_seq_len:
+            raise UserError(f"{where}: {len(ids)} tokens leaves no room to generate; the model's "
+                            f"max_seq_len is {cfg.max_seq_len} (prompt must be < {cfg.max_seq_len})")
+        bad = [i for i in ids if not 0 <= i < cfg.vocab_size or i == cfg.mask_token_id]
+        if bad:
+            raise UserError(f"{where}: token id {bad[0]} is not allowed; ids must be in "
+                            f"[0, {cfg.vocab_size}) and not the mask id {cfg.mask_token_id}")
+
+    def check_decode(self, d: DecodeConfig, where: str = "decoding") -> None:
+        if d.buffer_size > self.buffer_size:
+            raise UserError(f"{where}: buffer_size {d.buffer_size} exceeds this engine's "
+                            f"{self.buffer_size}")
+
+    # ---------------------------------------------------------------- host -> device state
+    def _row_params(self, prompts: list[np.ndarray], decodes: list[DecodeConfig]) -> RowParams:
+        cfg = self.cfg
+        col = lambda f, dt=np.float32: jax.device_put(np.array([f(d) for d in decodes], dt))  # noqa: E731
+        limits = [min(len(p) + d.max_new_tokens, cfg.max_seq_len) for p, d in zip(prompts, decodes)]
+        return RowParams(
+            limit=jax.device_put(np.array(limits, np.int32)),
+            max_nfe=col(lambda d: d.max_nfe, np.int32),
+            buffer_size=col(lambda d: d.buffer_size, np.int32),
+            policy=col(lambda d: policy.POLICY_FIXED_STEPS if d.policy == "fixed_steps"
+                       else policy.POLICY_THRESHOLD, np.int32),
+            accept_threshold=col(lambda d: d.accept_threshold),
+            add_block_threshold=col(lambda d: d.add_block_threshold),
+            semi_complete_threshold=col(lambda d: d.semi_complete_threshold),
+            token_stability_threshold=col(lambda d: d.token_stability_threshold),
+            tokens_per_step=col(lambda d: d.tokens_per_step(cfg.block_size), np.int32),
+            temperature=col(lambda d: d.temperature),
+            top_p=col(lambda d: d.top_p),
+            seed=col(lambda d: d.seed, np.int32),
+        )
+
+    def _prefill_rows(self, prompts: list[np.ndarray], rows: np.ndarray) -> None:
+        """Writes the KV of every full prompt block of the selected rows, chunk by chunk."""
+        blk = self.cfg.block_size
+        b = self.batch_size
+        full_len = np.zeros(b, np.int32)
+        for i, p in enumerate(prompts):
+            full_len[i] = len(p) // blk * blk if rows[i] else 0
+        buckets = prefill_buckets(blk, self.prefill_chunk)
+        start, end = 0, int(full_len.max())
+        while start < end:
+            t = next(s for s in buckets if s >= min(end - start, self.prefill_chunk))
+            tokens = np.full((b, t), self.cfg.pad_token_id, np.int32)
+            for i, p in enumerate(prompts):
+                seg = p[start: min(start + t, full_len[i])]
+                tokens[i, : len(seg)] = seg
+            self.kv = self._prefill(self.params, self.kv, jax.device_put(tokens), np.int32(start),
+                                    jax.device_put(full_len), jax.device_put(rows & (full_len > start)),
+                                    scratch_offset=self.scratch_offset)
+            start += t
+
+    # ---------------------------------------------------------------- public API
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 decode: DecodeConfig | Sequence[DecodeConfig] = DecodeConfig()) -> list[GenerationResult]:
+        """Generates for every prompt (token ids), batch_size rows at a time."""
+        decodes = list(decode) if isinstance(decode, (list, tuple)) else [decode] * len(prompts)
+        if len(decodes) != len(prompts):
+            raise UserError(f"got {len(prompts)} prompts but {len(decodes)} decode configs")
+        for i, (p, d) in enumerate(zip(prompts, decodes)):
+            self.check_prompt(p, where=f"prompt[{i}]")
+            self.check_decode(d, where=f"decoding[{i}]")
+        results: list[GenerationResult] = []
+        for s in range(0, len(prompts), self.batch_size):
+            results += self._generate_batch([np.asarray(p, np.int32) for p in prompts[s: s + self.batch_size]],
+                                            decodes[s: s + self.batch_size])
+        return results
+
+    def _generate_batch(self, prompts: list[np.ndarray], decodes: list[DecodeConfig]) -> list[GenerationResult]:
+        t0 = time.perf_counter()
+        n = len(prompts)
+        pad = self.batch_size - n
+        rows = np.array([True] * n + [False] * pad)
+        all_prompts = prompts + [np.array([self.cfg.pad_token_id], np.int32)] * pad
+        all_decodes = decodes + [DecodeConfig()] * pad
+        state = block_buffer.initial_state(all_prompts, self.capacity, self.cfg.block_size,
+                                           self.cfg.mask_token_id,
+                                           self._row_params(all_prompts, all_decodes))
+        state = state.replace(done=jax.device_put(~rows))
+        self._prefill_rows(all_prompts, rows)
+        state = self.run_decode(state)
+        seconds = time.perf_counter() - t0
+        return self.results(state, n, seconds)
+
+    def run_decode(self, state: DecodeState, max_calls: int | None = None) -> DecodeState:
+        """Calls the jitted loop until every row is done (or max_calls calls ran)."""
+        calls = 0
+        while not np.all(jax.device_get(state.done)) and (max_calls is None or calls < max_calls):
+            t = time.perf_counter()
+            state, self.kv, steps = self._decode(self.params, state, self.kv,
+                                                 np.int32(self.steps_per_call))
+            steps = int(steps)  # waits for the call
+            self.call_log.append((time.perf_counter() - t, steps))
+            calls += 1
+        return state
+
+    def results(self, state: DecodeState, n: int, seconds: float) -> list[GenerationResult]:
+        host = jax.device_get(state)
+        eos = set(self.cfg.eos_token_ids)
+        out = []
+        for i in range(n):
+            p0, stop = int(host.prompt_len[i]), int(host.stop_pos[i])
+            ids = [int(t) for t in host.canvas[i, p0:stop]]
+            if ids and ids[-1] in eos and int(host.finish[i]) == block_buffer.FINISH_STOP:
+                ids = ids[:-1]
+            blocks = math.ceil(max(stop, p0 + 1) / self.cfg.block_size) - p0 // self.cfg.block_size
+            out.append(GenerationResult(
+                token_ids=ids, finish_reason=FINISH_NAMES.get(int(host.finish[i]), "unknown"),
+                nfe=int(host.nfe[i]), tokens_unmasked=int(host.n_unmasked[i]),
+                bubble_forwards=int(host.bubbles[i]), blocks=blocks,
+                max_active_blocks=int(host.max_active[i]), prompt_tokens=p0, seconds=seconds))
+        return out
+
+    def warmup(self) -> None:
+        """Compiles every program this engine can run (all prefill buckets and the decode loop)."""
+        blk = self.cfg.block_size
+        b = self.batch_size
+        for t in prefill_buckets(blk, self.prefill_chunk):
+            self.kv = self._prefill(self.params, self.kv, jax.device_put(np.zeros((b, t), np.int32)),
+                                    np.int32(0), jax.device_put(np.zeros(b, np.int32)),
+                                    jax.device_put(np.zeros(b, bool)), scratch_offset=self.scratch_offset)
+        prompts = [np.array([self.cfg.pad_token_id], np.int32)] * b
+        state = block_buffer.initial_state(prompts, self.capacity, blk, self.cfg.mask_token_id,
+                                           self._row_params(prompts, [DecodeConfig()] * b))
+        self.run_decode(state, max_calls=1)
+        jax.block_until_ready(self.kv)

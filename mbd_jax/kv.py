@@ -1,0 +1,48 @@
+"""The preallocated KV buffer: one [B, S_max, K, Dh] array per layer for k and for v.
+
+Row b is request slot b and index s holds absolute position s. The buffer is allocated once per
+engine and donated to every jitted call, so writes (`layers.write_rows`) happen in place.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from mbd_jax.config import ModelConfig
+
+
+@flax.struct.dataclass
+class KVCache:
+    k: tuple[jax.Array, ...]  # num_layers x [B, S_max, K, Dh]
+    v: tuple[jax.Array, ...]
+
+    @property
+    def batch(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[1]
+
+    def nbytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for a in self.k + self.v)
+
+
+def kv_capacity(cfg: ModelConfig, window_tokens: int) -> int:
+    """S_max: room for max_seq_len plus one decode window past it (a finished row keeps writing its
+    window at its last offset), rounded up to the attention chunk so chunk slices never clamp."""
+    need = cfg.max_seq_len + window_tokens
+    chunk = cfg.attention_chunk
+    return -(-need // chunk) * chunk
+
+
+def allocate(cfg: ModelConfig, batch: int, capacity: int, dtype=None) -> KVCache:
+    dtype = jnp.dtype(dtype or cfg.compute_dtype)
+    if capacity % cfg.attention_chunk:
+        raise ValueError(f"KV capacity {capacity} must be a multiple of attention_chunk "
+                         f"{cfg.attention_chunk}")
+    shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # noqa: E731
+    return KVCache(k=zeros(), v=zeros())

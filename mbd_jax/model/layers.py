@@ -1,0 +1,127 @@
+"""Pure functions for the transformer's math: RMSNorm, rotary embedding, block-causal attention.
+
+Shapes: B batch rows, T new tokens, S key positions, H query heads, K kv heads, G = H // K query
+heads per kv head, Dh head dim. Positions are absolute; in the KV buffer, index == position.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30  # finite "minus infinity": fully masked rows stay finite (no NaN from exp/div)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """x: [..., D] normalised in float32, returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float, rotary_dim: int) -> jax.Array:
+    """Rotates the first `rotary_dim` dims of each head (half-split convention, as HF Qwen3/LLaDA2).
+
+    x: [B, T, N, Dh]; positions: [B, T] int.
+    """
+    half = rotary_dim // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2.0 / rotary_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, half]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2, rest = x32[..., :half], x32[..., half:rotary_dim], x32[..., rotary_dim:]
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+def block_causal_visible(q_pos: jax.Array, k_pos: jax.Array, visible_len: jax.Array,
+                         block_size: int) -> jax.Array:
+    """The block-causal rule on absolute positions.
+
+    q_pos: [B, T]; k_pos: [S] or [B, S]; visible_len: [B]. Returns bool [B, T, S]: query at p sees
+    key at k iff k < (p // block + 1) * block and k < visible_len.
+    """
+    if k_pos.ndim == 1:
+        k_pos = k_pos[None, :]
+    block_end = (q_pos // block_size + 1) * block_size  # [B, T]
+    return (k_pos[:, None, :] < block_end[:, :, None]) & (k_pos[:, None, :] < visible_len[:, None, None])
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Reference attention over all S keys with an explicit mask.
+
+    q: [B, T, H, Dh]; k, v: [B, S, K, Dh]; mask: bool [B, T, S]. Returns [B, T, H, Dh].
+    """
+    b, t, h, dh = q.shape
+    kh = k.shape[2]
+    qg = q.reshape(b, t, kh, h // kh, dh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (dh ** -0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, dh).astype(q.dtype)
+
+
+def chunked_attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, q_pos: jax.Array,
+                      visible_len: jax.Array, block_size: int, chunk: int) -> jax.Array:
+    """Block-causal attention over a KV buffer, reading only the used prefix.
+
+    An online-softmax loop over `chunk`-sized key slices; its trip count is
+    ceil(max(visible_len) / chunk), a traced value, so the cost follows the longest visible row and
+    not the buffer's size, and one compiled program serves every length.
+
+    q: [B, T, H, Dh]; k_buf, v_buf: [B, S_max, K, Dh] with S_max % chunk == 0; q_pos: [B, T];
+    visible_len: [B]. Returns [B, T, H, Dh].
+    """
+    b, t, h, dh = q.shape
+    s_max, kh = k_buf.shape[1], k_buf.shape[2]
+    g = h // kh
+    qg = q.reshape(b, t, kh, g, dh)
+    scale = dh ** -0.5
+    # Keys at or beyond the end of the last query's block are never visible.
+    need = jnp.minimum(jnp.max(visible_len), jnp.max(q_pos // block_size + 1) * block_size)
+    n_chunks = jnp.clip((need + chunk - 1) // chunk, 1, s_max // chunk)
+
+    def body(i, carry):
+        m, l, acc = carry  # m, l: [B, K, G, T]; acc: [B, K, G, T, Dh]
+        start = i * chunk
+        ks = jax.lax.dynamic_slice_in_dim(k_buf, start, chunk, axis=1)
+        vs = jax.lax.dynamic_slice_in_dim(v_buf, start, chunk, axis=1)
+        mask = block_causal_visible(q_pos, start + jnp.arange(chunk), visible_len, block_size)
+        s = jnp.einsum("btkgd,bskd->bkgts", qg, ks, preferred_element_type=jnp.float32) * scale
+        s = jnp.where(mask[:, None, None], s, NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.where(mask[:, None, None], jnp.exp(s - m_new[..., None]), 0.0)
+        corr = jnp.exp(m - m_new)
+        l = l * corr + jnp.sum(p, axis=-1)
+        acc = acc * corr[..., None] + jnp.einsum("bkgts,bskd->bkgtd", p.astype(vs.dtype), vs,
+                                                 preferred_element_type=jnp.float32)
+        return m_new, l, acc
+
+    init = (jnp.full((b, kh, g, t), NEG_INF, jnp.float32), jnp.zeros((b, kh, g, t), jnp.float32),
+            jnp.zeros((b, kh, g, t, dh), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+    out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]  # rows that see nothing (padding) stay finite
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, dh).astype(q.dtype)
+
+
+def write_rows(buf: jax.Array, new: jax.Array, offset: jax.Array) -> jax.Array:
+    """Writes new[b] into buf[b, offset[b]:offset[b]+T] for every row; in place when buf is donated.
+
+    buf: [B, S_max, ...]; new: [B, T, ...]; offset: [B]. The caller guarantees offset + T <= S_max
+    (dynamic_update_slice would clamp, and silently overwrite earlier positions, otherwise).
+    """
+
+    def one(row_buf, row_new, off):
+        start = (off,) + (0,) * (row_buf.ndim - 1)
+        return jax.lax.dynamic_update_slice(row_buf, row_new.astype(row_buf.dtype), start)
+
+    return jax.vmap(one)(buf, new, offset)
+
+
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """x: [..., D]; w_gate, w_up: [D, F]; w_down: [F, D]."""
+    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down

@@ -1,0 +1,82 @@
+"""Mixture of experts: routers (pure, float32) and two interchangeable expert paths.
+
+Shapes: N tokens, D hidden, E experts, F expert width, k experts per token.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def route_softmax_topk(logits: jax.Array, k: int, norm_topk_prob: bool,
+                       scaling: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """Qwen3-MoE routing. logits: [N, E] float32 -> (expert ids [N, k], weights [N, k] float32)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return ids, weights * scaling
+
+
+def route_sigmoid_grouped(logits: jax.Array, bias: jax.Array, k: int, n_group: int,
+                          topk_group: int, norm_topk_prob: bool,
+                          scaling: float) -> tuple[jax.Array, jax.Array]:
+    """LLaDA2 / DeepSeek-V3 routing.
+
+    s = sigmoid(logits); selection uses s + bias: each group scores the sum of its top-2, only the
+    best `topk_group` groups stay eligible, and the top-k eligible experts are chosen. The weights
+    are the unbiased s of the chosen experts, optionally normalised to sum 1, times `scaling`.
+    logits: [N, E]; bias: [E]. Returns (ids [N, k], weights [N, k] float32).
+    """
+    n, e = logits.shape
+    scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+    choice = scores + bias.astype(jnp.float32)[None, :]
+    if n_group > 1:
+        grouped = choice.reshape(n, n_group, e // n_group)
+        group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [N, n_group]
+        _, top_groups = jax.lax.top_k(group_score, topk_group)  # [N, topk_group]
+        keep = jnp.zeros((n, n_group), bool).at[jnp.arange(n)[:, None], top_groups].set(True)
+        keep = jnp.repeat(keep, e // n_group, axis=1)
+        choice = jnp.where(keep, choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return ids, weights * scaling
+
+
+def experts_dense(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
+                  w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """Reference: every expert on every token, combined with the routing weights.
+
+    x: [N, D]; ids, weights: [N, k]; w_gate, w_up: [E, D, F]; w_down: [E, F, D]. Returns [N, D].
+    """
+    e = w_gate.shape[0]
+    combine = jnp.sum(jax.nn.one_hot(ids, e, dtype=jnp.float32) * weights[..., None], axis=1)  # [N, E]
+    h = jax.nn.silu(jnp.einsum("nd,edf->nef", x, w_gate)) * jnp.einsum("nd,edf->nef", x, w_up)
+    out = jnp.einsum("nef,efd->ned", h, w_down, preferred_element_type=jnp.float32)
+    return jnp.einsum("ned,ne->nd", out, combine).astype(x.dtype)
+
+
+def experts_ragged(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
+                   w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """Grouped matmul: token copies sorted by expert, one `jax.lax.ragged_dot` per projection.
+
+    Dropless and static-shape (N * k rows). Same contract as `experts_dense`.
+    """
+    n, k = ids.shape
+    e = w_gate.shape[0]
+    flat_ids = ids.reshape(-1)  # [N*k]
+    order = jnp.argsort(flat_ids, stable=True)
+    token_of = order // k
+    group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)
+    xs = x[token_of]  # [N*k, D]
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes)) * jax.lax.ragged_dot(
+        xs, w_up, group_sizes)
+    out = jax.lax.ragged_dot(h, w_down, group_sizes, preferred_element_type=jnp.float32)
+    out = out * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token_of].add(out).astype(x.dtype)
+
+
+EXPERT_IMPLS = {"dense": experts_dense, "ragged": experts_ragged}

@@ -1,0 +1,199 @@
+"""The block-diffusion transformer (Flax linen). One forward, used by training, prefill and decode:
+
+    logits, kv = model.apply(params, tokens[B,T], positions[B,T], kv, write_offset[B], visible_len[B])
+
+With a KV buffer, each layer writes the T new tokens' K/V at `write_offset` (per row) and attends
+over the buffer with the block-causal rule on absolute positions, bounded by `visible_len`.
+Without one (`kv=None`), the layers attend over the T tokens themselves under an explicit
+`mask[B, T, T]` (training, and the full-sequence reference in tests).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from mbd_jax.config import ModelConfig
+from mbd_jax.kv import KVCache
+from mbd_jax.model import layers, moe
+
+LayerKV = tuple[jax.Array, jax.Array]  # (k, v), each [B, S_max, K, Dh]
+
+
+def _param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
+           init: Any) -> jax.Array:
+    """A parameter carrying logical axis names (mapped to mesh axes by the parallel rules)."""
+    cfg: ModelConfig = module.cfg
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape,
+                        jnp.dtype(cfg.param_dtype))
+
+
+def _normal(cfg: ModelConfig):
+    return nn.initializers.normal(cfg.init_std)
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, positions, layer_kv: LayerKV | None, write_offset, visible_len, mask):
+        cfg = self.cfg
+        dt = jnp.dtype(cfg.compute_dtype)
+        d, h, kh, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        wq = _param(self, "q_proj", (d, h, dh), ("embed", "heads", "head_dim"), _normal(cfg))
+        wk = _param(self, "k_proj", (d, kh, dh), ("embed", "kv_heads", "head_dim"), _normal(cfg))
+        wv = _param(self, "v_proj", (d, kh, dh), ("embed", "kv_heads", "head_dim"), _normal(cfg))
+        wo = _param(self, "o_proj", (h, dh, d), ("heads", "head_dim", "embed"), _normal(cfg))
+        q = jnp.einsum("btd,dhk->bthk", x, wq.astype(dt))  # [B, T, H, Dh]
+        k = jnp.einsum("btd,dhk->bthk", x, wk.astype(dt))  # [B, T, K, Dh]
+        v = jnp.einsum("btd,dhk->bthk", x, wv.astype(dt))
+        if cfg.qk_norm:
+            q = layers.rms_norm(q, _param(self, "q_norm", (dh,), ("head_dim",), nn.initializers.ones),
+                                cfg.rms_norm_eps)
+            k = layers.rms_norm(k, _param(self, "k_norm", (dh,), ("head_dim",), nn.initializers.ones),
+                                cfg.rms_norm_eps)
+        q = layers.apply_rope(q, positions, cfg.rope_theta, cfg.rotary_dim)
+        k = layers.apply_rope(k, positions, cfg.rope_theta, cfg.rotary_dim)
+
+        if layer_kv is None:  # explicit-mask path over the T tokens themselves
+            out = layers.dense_attention(q, k, v, mask)
+            new_kv = None
+        else:  # write into the buffer, then attend over it
+            k_buf = layers.write_rows(layer_kv[0], k, write_offset)
+            v_buf = layers.write_rows(layer_kv[1], v, write_offset)
+            if cfg.attention_impl == "chunked":
+                out = layers.chunked_attention(q, k_buf, v_buf, positions, visible_len,
+                                               cfg.block_size, min(cfg.attention_chunk,
+                                                                   k_buf.shape[1]))
+            else:
+                visible = layers.block_causal_visible(positions, jnp.arange(k_buf.shape[1]),
+                                                      visible_len, cfg.block_size)
+                out = layers.dense_attention(q, k_buf.astype(dt), v_buf.astype(dt), visible)
+            new_kv = (k_buf, v_buf)
+        return jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), new_kv
+
+
+class DenseMLP(nn.Module):
+    cfg: ModelConfig
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        cfg, dt = self.cfg, jnp.dtype(self.cfg.compute_dtype)
+        d, f = cfg.hidden_size, self.width
+        wg = _param(self, "gate_proj", (d, f), ("embed", "mlp"), _normal(cfg))
+        wu = _param(self, "up_proj", (d, f), ("embed", "mlp"), _normal(cfg))
+        wd = _param(self, "down_proj", (f, d), ("mlp", "embed"), _normal(cfg))
+        return layers.swiglu(x, wg.astype(dt), wu.astype(dt), wd.astype(dt))
+
+
+class MoE(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg, dt = self.cfg, jnp.dtype(self.cfg.compute_dtype)
+        d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        b, t, _ = x.shape
+        tokens = x.reshape(b * t, d)  # [N, D]
+        w_router = _param(self, "router", (d, e), ("embed", "expert"), _normal(cfg))
+        logits = tokens.astype(jnp.float32) @ w_router.astype(jnp.float32)  # router in float32
+        if cfg.router == "softmax_topk":
+            ids, weights = moe.route_softmax_topk(logits, cfg.num_experts_per_tok,
+                                                  cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        else:
+            bias = _param(self, "expert_bias", (e,), ("expert",), nn.initializers.zeros)
+            ids, weights = moe.route_sigmoid_grouped(
+                logits, bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+                cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        wg = _param(self, "experts_gate", (e, d, f), ("expert", "embed", "mlp"), _normal(cfg))
+        wu = _param(self, "experts_up", (e, d, f), ("expert", "embed", "mlp"), _normal(cfg))
+        wd = _param(self, "experts_down", (e, f, d), ("expert", "mlp", "embed"), _normal(cfg))
+        out = moe.EXPERT_IMPLS[cfg.moe_impl](tokens, ids, weights, wg.astype(dt), wu.astype(dt),
+                                             wd.astype(dt))
+        if cfg.num_shared_experts > 0:
+            out = out + DenseMLP(cfg, cfg.num_shared_experts * f, name="shared")(tokens)
+        return out.reshape(b, t, d)
+
+
+class DecoderLayer(nn.Module):
+    cfg: ModelConfig
+    index: int
+
+    @nn.compact
+    def __call__(self, x, positions, layer_kv, write_offset, visible_len, mask):
+        cfg = self.cfg
+        norm = lambda name: _param(self, name, (cfg.hidden_size,), ("embed",),  # noqa: E731
+                                   nn.initializers.ones)
+        h = layers.rms_norm(x, norm("input_norm"), cfg.rms_norm_eps)
+        attn, new_kv = Attention(cfg, name="attn")(h, positions, layer_kv, write_offset,
+                                                    visible_len, mask)
+        x = x + attn
+        h = layers.rms_norm(x, norm("post_attn_norm"), cfg.rms_norm_eps)
+        if cfg.is_moe_layer(self.index):
+            x = x + MoE(cfg, name="moe")(h)
+        else:
+            x = x + DenseMLP(cfg, cfg.intermediate_size, name="mlp")(h)
+        return x, new_kv
+
+
+class Transformer(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens, positions, kv: KVCache | None = None, write_offset=None,
+                 visible_len=None, mask=None):
+        """tokens, positions: [B, T] int32. Returns (logits [B, T, V] float32, kv or None)."""
+        cfg, dt = self.cfg, jnp.dtype(self.cfg.compute_dtype)
+        if (kv is None) == (mask is None):
+            raise ValueError("pass exactly one of kv (buffer path) or mask (explicit path)")
+        embed = _param(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
+                       _normal(cfg))
+        x = jnp.take(embed, tokens, axis=0).astype(dt)  # [B, T, D]
+        new_k, new_v = [], []
+        for i in range(cfg.num_layers):
+            layer_kv = None if kv is None else (kv.k[i], kv.v[i])
+            x, out_kv = DecoderLayer(cfg, i, name=f"layer_{i}")(x, positions, layer_kv,
+                                                                 write_offset, visible_len, mask)
+            if out_kv is not None:
+                new_k.append(out_kv[0])
+                new_v.append(out_kv[1])
+        x = layers.rms_norm(x, _param(self, "final_norm", (cfg.hidden_size,), ("embed",),
+                                      nn.initializers.ones), cfg.rms_norm_eps)
+        if cfg.tie_word_embeddings:
+            logits = jnp.einsum("btd,vd->btv", x, embed.astype(dt), preferred_element_type=jnp.float32)
+        else:
+            head = _param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
+                          _normal(cfg))
+            logits = jnp.einsum("btd,dv->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
+        new_cache = None if kv is None else KVCache(k=tuple(new_k), v=tuple(new_v))
+        return logits, new_cache
+
+
+def init_params(cfg: ModelConfig, seed: int | None = None) -> dict:
+    """Random parameters (plain arrays, logical-axis boxes removed), deterministic in `seed`."""
+    model = Transformer(cfg)
+    tokens = jnp.zeros((1, cfg.block_size), jnp.int32)
+    mask = jnp.ones((1, cfg.block_size, cfg.block_size), bool)
+    key = jax.random.PRNGKey(cfg.seed if seed is None else seed)
+    variables = jax.jit(lambda k: model.init(k, tokens, tokens, mask=mask))(key)
+    return nn.meta.unbox(variables["params"])
+
+
+def param_logical_axes(cfg: ModelConfig) -> Any:
+    """The logical axis names of every parameter (a tree shaped like the params)."""
+    model = Transformer(cfg)
+    tokens = jnp.zeros((1, cfg.block_size), jnp.int32)
+    mask = jnp.ones((1, cfg.block_size, cfg.block_size), bool)
+    abstract = jax.eval_shape(lambda k: model.init(k, tokens, tokens, mask=mask),
+                              jax.random.PRNGKey(0))
+    return nn.get_partition_spec(abstract["params"])
+
+
+def block_causal_mask(positions: jax.Array, block_size: int) -> jax.Array:
+    """The full-sequence block-causal mask [B, T, T] for positions [B, T] (explicit path)."""
+    return layers.block_causal_visible(positions, positions, jnp.full(positions.shape[:1], 2**30),
+                                       block_size)

@@ -1,0 +1,66 @@
+"""The `mbd-jax` command as a user runs it (subprocess): output fields, profiles, clear errors."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def run(*args, timeout=300):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "mbd_jax", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env)
+
+
+def test_generate_json_and_profile(tmp_path):
+    prof = tmp_path / "trace"
+    r = run("generate", "--prompt", "What is 12 + 30?", "--prompt-ids", "11,12,13",
+            "--max-new-tokens", "12", "--json", "--profile", str(prof), "--seed", "3")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        for key in ("text", "token_ids", "nfe", "tpf", "finish_reason", "seconds", "bubble_forwards"):
+            assert key in row
+        assert row["finish_reason"] == "length" and len(row["token_ids"]) == 12
+        assert row["nfe"] >= 1 and 0 < row["tpf"] <= 8
+    assert "Traceback" not in r.stderr
+    traces = list(prof.rglob("*.xplane.pb"))
+    assert traces and traces[0].stat().st_size > 0
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["generate", "--prompt", ""], "empty prompt"),
+    (["generate", "--prompt-ids", "11," * 1100], "max_seq_len is 1024"),
+    (["generate", "--model", "no-such-model", "--prompt", "hi"], "presets: "),
+    (["generate", "--prompt", "hi", "--threshold", "1.5"], "'accept_threshold' must be in [0, 1]"),
+    (["generate", "--prompt-ids", "1,x"], "comma-separated integers"),
+    (["bench", "decode", "--buffer-size", "1,two"], "integers like 1,2,4"),
+])
+def test_bad_input_gives_a_clear_error(args, needle):
+    r = run(*args)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_malformed_yaml_names_field_and_allowed_values(tmp_path):
+    good = (ROOT / "configs/models/tiny-random.yaml").read_text()
+    bad_router = tmp_path / "bad_router.yaml"
+    bad_router.write_text(good.replace("router: sigmoid_grouped", "router: top2"))
+    r = run("generate", "--model", str(bad_router), "--prompt", "hi")
+    assert r.returncode == 2 and "field 'router' must be one of 'softmax_topk', 'sigmoid_grouped'" in r.stderr
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text(good + "num_expertz: 4\n")
+    r = run("generate", "--model", str(unknown), "--prompt", "hi")
+    assert r.returncode == 2 and "unknown field(s) num_expertz" in r.stderr
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("name: [unclosed\n")
+    r = run("generate", "--model", str(broken), "--prompt", "hi")
+    assert r.returncode == 2 and "malformed YAML" in r.stderr
+    assert "Traceback" not in r.stderr

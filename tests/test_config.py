@@ -1,0 +1,48 @@
+"""Config loading and validation; every shipped preset is valid."""
+
+import dataclasses
+
+import pytest
+
+from mbd_jax.config import (DecodeConfig, ModelConfig, available_presets, decode_config,
+                            from_dict, load_model_config, MODEL_PRESET_DIR)
+from mbd_jax.errors import ConfigError
+
+
+@pytest.mark.parametrize("name", available_presets())
+def test_every_preset_loads(name):
+    cfg = load_model_config(MODEL_PRESET_DIR / f"{name}.yaml")
+    assert cfg.num_params() > 0 and cfg.active_params_per_token() <= cfg.num_params()
+
+
+def test_real_shape_presets_have_the_published_sizes():
+    llada = load_model_config(MODEL_PRESET_DIR / "llada2-mini.yaml")
+    assert 15.5e9 < llada.num_params() < 16.8e9  # "16B total"
+    assert 1.2e9 < llada.active_params_per_token() < 1.8e9  # "~1.4B active"
+    sdar = load_model_config(MODEL_PRESET_DIR / "sdar-8b.yaml")
+    assert 7.5e9 < sdar.num_params() < 8.8e9
+    moe = load_model_config(MODEL_PRESET_DIR / "sdar-30b-a3b.yaml")
+    assert 29e9 < moe.num_params() < 32e9 and 2.8e9 < moe.active_params_per_token() < 3.6e9
+
+
+def test_cross_field_errors_name_the_fields(cfg):
+    d = dataclasses.asdict(cfg)
+    d["eos_token_ids"] = list(d["eos_token_ids"])
+    with pytest.raises(ConfigError, match="'num_heads' .* multiple of 'num_kv_heads'"):
+        from_dict(ModelConfig, {**d, "num_kv_heads": 3}, "m")
+    with pytest.raises(ConfigError, match="'max_seq_len' .* multiple of 'block_size'"):
+        from_dict(ModelConfig, {**d, "max_seq_len": 1001}, "m")
+    with pytest.raises(ConfigError, match="missing required field 'vocab_size'"):
+        from_dict(ModelConfig, {k: v for k, v in d.items() if k != "vocab_size"}, "m")
+    with pytest.raises(ConfigError, match="field 'num_layers' must be int, got '3'"):
+        from_dict(ModelConfig, {**d, "num_layers": "3"}, "m")
+
+
+def test_decode_config_validation():
+    assert decode_config(buffer_size=2, temperature=None) == DecodeConfig(buffer_size=2)
+    with pytest.raises(ConfigError, match="'top_p' must be in \\(0, 1\\]"):
+        decode_config(top_p=0.0)
+    with pytest.raises(ConfigError, match="'policy' must be one of 'threshold', 'fixed_steps'"):
+        decode_config(policy="factor?")
+    with pytest.raises(ConfigError, match="'max_new_tokens' must be >= 1"):
+        decode_config(max_new_tokens=0)

@@ -1,0 +1,144 @@
+"""The jitted decoding loop end to end: batching, compilation, stop rules, policies, sampling."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mbd_jax import compile_stats
+from mbd_jax.config import DecodeConfig
+from mbd_jax.decoding import block_buffer
+from mbd_jax.engine import Engine
+from mbd_jax.errors import UserError
+
+PROMPTS = [list(range(10, 10 + n)) for n in (3, 8, 13, 20)]  # partial and full prompt blocks
+
+
+@pytest.fixture(scope="module")
+def engine4(cfg, params):
+    eng = Engine(cfg, params, batch_size=4, buffer_size=2, prefill_chunk=32)
+    eng.warmup()
+    return eng
+
+
+@pytest.mark.parametrize("decode", [
+    DecodeConfig(max_new_tokens=20),
+    DecodeConfig(max_new_tokens=20, buffer_size=2, add_block_threshold=0.0, semi_complete_threshold=0.5),
+], ids=["singlebd", "multibd"])
+def test_batch_invariance(cfg, params, engine4, decode):
+    """Each row decodes the same tokens alone (batch of 1) as in a batch of mixed lengths."""
+    batched = engine4.generate(PROMPTS, decode)
+    alone_engine = Engine(cfg, params, batch_size=1, buffer_size=2, prefill_chunk=32)
+    for prompt, got in zip(PROMPTS, batched):
+        (alone,) = alone_engine.generate([prompt], decode)
+        assert got.token_ids == alone.token_ids
+        assert (got.nfe, got.tokens_unmasked) == (alone.nfe, alone.tokens_unmasked)
+        assert len(got.token_ids) == 20 and got.finish_reason == "length"
+
+
+def test_warm_engine_compiles_nothing_new(engine4):
+    """After warm-up, prompts of other lengths (same buckets) and other per-request decoding
+    settings run on the programs already compiled."""
+    before = compile_stats.compiles()
+    engine4.generate([list(range(10, 10 + n)) for n in (5, 9, 17, 30)], DecodeConfig(max_new_tokens=12))
+    engine4.generate([[11, 12], [13] * 25], [
+        DecodeConfig(max_new_tokens=9, temperature=0.8, top_p=0.9, seed=3),
+        DecodeConfig(max_new_tokens=30, policy="fixed_steps", steps_per_block=2, buffer_size=2),
+    ])
+    assert compile_stats.compiles() - before == 0
+
+
+def test_compile_counter_sees_compiles(cfg, params):
+    before = compile_stats.compiles()
+    Engine(cfg, params, batch_size=3, buffer_size=1, prefill_chunk=16).warmup()
+    assert compile_stats.compiles() - before >= 2  # one prefill bucket per size + the decode loop
+
+
+def test_fixed_steps_forward_counts_singlebd_vs_multibd(engine4):
+    """blk 8, 4 tokens per step, 24 new tokens from a block-aligned prompt.
+    SingleBD: 2 steps per block plus a storing forward between blocks = 8 forwards, 2 bubbles.
+    MultiBD (N=2, the next block starts at once): storing overlaps refinement = 5 forwards."""
+    prompt = [list(range(10, 18))]
+    single = DecodeConfig(max_new_tokens=24, policy="fixed_steps", steps_per_block=2)
+    multi = dataclasses.replace(single, buffer_size=2, add_block_threshold=0.0,
+                                semi_complete_threshold=0.0)
+    (s,) = engine4.generate(prompt, single)
+    (m,) = engine4.generate(prompt, multi)
+    assert (s.nfe, s.bubble_forwards, s.tokens_unmasked, s.max_active_blocks) == (8, 2, 24, 1)
+    assert (m.nfe, m.bubble_forwards, m.tokens_unmasked, m.max_active_blocks) == (5, 0, 24, 2)
+    assert s.tpf == 3.0 and m.tpf == pytest.approx(24 / 5)
+
+
+def test_max_nfe_stops_with_the_filled_prefix(engine4):
+    (r,) = engine4.generate([PROMPTS[1]], DecodeConfig(max_new_tokens=64, max_nfe=3))
+    assert r.finish_reason == "max_nfe" and r.nfe == 3
+    assert len(r.token_ids) <= r.tokens_unmasked == 3  # threshold never met: top-1 per step
+
+
+def test_sampling_is_seeded(engine4):
+    d = DecodeConfig(max_new_tokens=16, temperature=1.0, seed=1)
+    a = engine4.generate([PROMPTS[0]], d)[0].token_ids
+    b = engine4.generate([PROMPTS[0]], d)[0].token_ids
+    c = engine4.generate([PROMPTS[0]], dataclasses.replace(d, seed=2))[0].token_ids
+    g = engine4.generate([PROMPTS[0]], DecodeConfig(max_new_tokens=16))[0].token_ids
+    assert a == b
+    assert a != c and a != g
+
+
+def test_eos_stops_generation(cfg, params):
+    """A model whose head always prefers EOS: the first generated position is EOS, the text ends
+    there, and the EOS itself is not returned."""
+    eos = cfg.eos_token_ids[0]
+    p = jax.tree.map(lambda x: x, params)
+    p["embed"] = p["embed"].at[:, 0].add(1000.0)  # the residual stream points along dim 0 ...
+    p["lm_head"] = p["lm_head"].at[0, eos].set(50.0)  # ... which the head maps to EOS
+    eng = Engine(cfg, p, batch_size=2, buffer_size=1, prefill_chunk=16)
+    res = eng.generate([PROMPTS[0], PROMPTS[3]], DecodeConfig(max_new_tokens=40))
+    for r in res:
+        assert r.finish_reason == "stop" and r.token_ids == [] and r.nfe == 1
+
+
+def _state_after(engine, prompt_len, window_tokens, n_valid, limit=100):
+    """Runs `advance` on a hand-made window (blk 8, N 2) and returns the new state."""
+    cfg = engine.cfg
+    prompt = np.arange(10, 10 + prompt_len, dtype=np.int32)
+    params = engine._row_params([prompt], [DecodeConfig(max_new_tokens=limit - prompt_len, buffer_size=2)])
+    st = block_buffer.initial_state([prompt], engine.capacity, cfg.block_size, cfg.mask_token_id, params)
+    st = st.replace(n_valid=jnp.array([n_valid]))
+    old = block_buffer.window(st, 16)
+    new = jnp.asarray([window_tokens], jnp.int32)
+    return block_buffer.advance(st, old, new, new != old, new, block_size=8, n_slots=2,
+                                eos_ids=cfg.eos_token_ids, mask_token_id=cfg.mask_token_id)
+
+
+def test_stop_waits_for_the_prefix_before_eos(engine4):
+    m, e = engine4.cfg.mask_token_id, engine4.cfg.eos_token_ids[0]
+    # prompt 8 tokens: window = positions 8..23. EOS at position 11 but position 9 still masked.
+    st = _state_after(engine4, 8, [20, m, 21, e, m, m, m, m] + [m] * 8, n_valid=1)
+    assert not bool(st.done[0])
+    # Prefix filled: done, output ends after the EOS, whatever follows it.
+    st = _state_after(engine4, 8, [20, 22, 21, e, m, m, m, m] + [m] * 8, n_valid=1)
+    assert bool(st.done[0]) and int(st.stop_pos[0]) == 12
+    assert int(st.finish[0]) == block_buffer.FINISH_STOP
+    # No EOS: a complete first block becomes TO_CACHE and the next block is activated.
+    st = _state_after(engine4, 8, list(range(20, 28)) + [m] * 8, n_valid=1)
+    assert not bool(st.done[0])
+    assert (int(st.n_to_cache[0]), int(st.n_valid[0])) == (1, 2)
+
+
+def test_bad_prompts_name_the_limit(engine4):
+    cfg = engine4.cfg
+    with pytest.raises(UserError, match="empty prompt"):
+        engine4.generate([[]])
+    with pytest.raises(UserError, match=f"max_seq_len is {cfg.max_seq_len}"):
+        engine4.generate([[11] * cfg.max_seq_len])
+    with pytest.raises(UserError, match="mask id"):
+        engine4.generate([[11, cfg.mask_token_id]])
+    with pytest.raises(UserError, match="buffer_size 3 exceeds"):
+        engine4.generate([[11]], DecodeConfig(buffer_size=3))
+    # Nothing was corrupted: the engine still produces the same output as before.
+    a = engine4.generate([PROMPTS[0]], DecodeConfig(max_new_tokens=8))
+    b = engine4.generate([PROMPTS[0]], DecodeConfig(max_new_tokens=8))
+    assert a[0].token_ids == b[0].token_ids and len(a[0].token_ids) == 8

@@ -1,0 +1,33 @@
+"""Trains the tiny sentencepiece tokenizer from the text the repo ships (deterministic).
+
+    python tools/train_tokenizer.py [--corpus data/corpus.txt] [--out configs/tokenizers/tiny] [--vocab 512]
+
+Ids: 0 <pad>, 1 <unk>, 2 </s> (EOS), 3 <s>, 4 <|mask|>, then the chat markers.
+"""
+
+import argparse
+import pathlib
+
+import sentencepiece as spm
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SPECIALS = ["<|mask|>", "<|user|>", "<|assistant|>", "<|system|>", "<think>", "</think>"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--corpus", default=str(ROOT / "data" / "corpus.txt"))
+    ap.add_argument("--out", default=str(ROOT / "configs" / "tokenizers" / "tiny"))
+    ap.add_argument("--vocab", type=int, default=512)
+    args = ap.parse_args()
+    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    spm.SentencePieceTrainer.Train(
+        input=args.corpus, model_prefix=args.out, vocab_size=args.vocab, model_type="bpe",
+        pad_id=0, unk_id=1, eos_id=2, bos_id=3, user_defined_symbols=SPECIALS,
+        character_coverage=1.0, byte_fallback=True, split_digits=True, num_threads=1,
+        input_sentence_size=0, shuffle_input_sentence=False, minloglevel=2)
+    print(f"wrote {args.out}.model")
+
+
+if __name__ == "__main__":
+    main()
