@@ -29,8 +29,19 @@ def _add_decode_flags(p: argparse.ArgumentParser, buffer_size_list: bool = False
     g.add_argument("--add-block-threshold", type=float, help="tau_add (default 0.1)")
     g.add_argument("--semi-complete-threshold", type=float, help="tau_semi (default 0.9)")
     g.add_argument("--token-stability-threshold", type=float, help="tau_stable (default 0)")
-    g.add_argument("--policy", choices=["threshold", "fixed_steps"], help="unmask rule")
+    g.add_argument("--policy", choices=["threshold", "fixed_steps", "factor"], help="unmask rule")
     g.add_argument("--steps-per-block", type=int, help="fixed_steps: steps per block")
+    g.add_argument("--factor", type=float, help="factor policy (Fast-dLLM): f (default 1)")
+    g.add_argument("--sampling-mode", choices=["naive", "edit"],
+                   help="edit: also rewrite filled tokens the model changes its mind on")
+    g.add_argument("--edit-threshold", type=float, help="edit: rewrite above this confidence")
+    g.add_argument("--max-post-edit-steps", type=int, help="edit: extra steps before a block is final")
+    g.add_argument("--vote", choices=["fixed", "linear", "exp"],
+                   help="temporal self-consistency voting with this step weighting")
+    g.add_argument("--vote-alpha", type=float, help="exp weighting alpha (default 5)")
+    g.add_argument("--vote-extractor", choices=["last_number", "boxed", "regex"],
+                   help="how an answer is parsed (default last_number)")
+    g.add_argument("--vote-pattern", help="regex extractor: answer = group 1")
     g.add_argument("--temperature", type=float, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, help="nucleus sampling mass (default 1)")
     g.add_argument("--seed", type=int, help="sampling seed (default 0)")
@@ -40,11 +51,19 @@ def _add_decode_flags(p: argparse.ArgumentParser, buffer_size_list: bool = False
 def _decode_config(args: argparse.Namespace):
     from mbd_jax.config import decode_config
 
+    voting = None
+    if args.vote:
+        voting = {k: v for k, v in (("weighting", args.vote), ("alpha", args.vote_alpha),
+                                    ("extractor", args.vote_extractor),
+                                    ("pattern", args.vote_pattern)) if v is not None}
     return decode_config(
+        policy=args.policy, factor=args.factor, sampling_mode=args.sampling_mode,
+        edit_threshold=args.edit_threshold, max_post_edit_steps=args.max_post_edit_steps,
+        voting=voting,
         buffer_size=args.buffer_size, accept_threshold=args.accept_threshold,
         add_block_threshold=args.add_block_threshold,
         semi_complete_threshold=args.semi_complete_threshold,
-        token_stability_threshold=args.token_stability_threshold, policy=args.policy,
+        token_stability_threshold=args.token_stability_threshold,
         steps_per_block=args.steps_per_block, temperature=args.temperature, top_p=args.top_p,
         seed=args.seed, max_new_tokens=args.max_new_tokens, max_nfe=args.max_nfe)
 
@@ -72,21 +91,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if prompts_text and model.tokenizer is None:
         raise UserError(f"--model {args.model} has no tokenizer; use --prompt-ids")
     prompts = [model.tokenizer.encode(t) for t in prompts_text] + prompts_ids
+    record = (0, 0)
+    if decode.voting is not None:  # record every step's prediction of the generated region
+        record = (min(decode.max_nfe, 4096), min(decode.max_new_tokens, model.cfg.max_seq_len))
     engine = Engine(model.cfg, model.params, batch_size=args.batch_size or min(len(prompts), 8),
-                    buffer_size=decode.buffer_size)
+                    buffer_size=decode.buffer_size, tokenizer=model.tokenizer,
+                    record_steps=record[0], record_len=record[1])
     for i, p in enumerate(prompts):  # fail before compiling anything
         engine.check_prompt(p, where=f"prompt[{i}]")
     with maybe_trace(args.profile):
         results = engine.generate(prompts, decode)
     for r in results:
-        if model.tokenizer is not None:
-            r.text = model.tokenizer.decode(r.token_ids)
         if args.json:
             print(json.dumps(r.to_json()))
         else:
             print(r.text if r.text is not None else r.token_ids)
             print(f"[{r.finish_reason}] tokens={len(r.token_ids)} nfe={r.nfe} tpf={r.tpf:.2f} "
                   f"bubbles={r.bubble_forwards} seconds={r.seconds:.3f}", file=sys.stderr)
+            if decode.voting is not None:
+                print(f"voted answer: {r.voted_answer} (final text's: {r.final_answer})",
+                      file=sys.stderr)
     return 0
 
 

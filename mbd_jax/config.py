@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import re
+import types
 import typing
 from typing import Any, Literal
 
@@ -31,8 +33,10 @@ def _type_ok(value: Any, tp: Any) -> bool:
     if origin in (tuple, list):
         args = typing.get_args(tp)
         return isinstance(value, (list, tuple)) and all(_type_ok(v, args[0]) for v in value)
-    if origin is typing.Union:
+    if origin in (typing.Union, types.UnionType):
         return any(_type_ok(value, a) for a in typing.get_args(tp))
+    if dataclasses.is_dataclass(tp):
+        return isinstance(value, tp)
     if tp is type(None):
         return value is None
     if tp is float:
@@ -52,11 +56,21 @@ def _describe(tp: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin in (tuple, list):
         return f"a list of {_describe(typing.get_args(tp)[0])}"
-    if origin is typing.Union:
+    if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if dataclasses.is_dataclass(tp):
+        return "a mapping of " + ", ".join(f.name for f in dataclasses.fields(tp))
     if tp is type(None):
         return "null"
     return getattr(tp, "__name__", str(tp))
+
+
+def _nested_dataclass(tp: Any):
+    """The dataclass type inside `tp` (`X` or `X | None`), else None."""
+    for t in typing.get_args(tp) or (tp,):
+        if dataclasses.is_dataclass(t):
+            return t
+    return None
 
 
 def from_dict(cls, data: Any, where: str):
@@ -77,6 +91,10 @@ def from_dict(cls, data: Any, where: str):
                 raise ConfigError(f"{where}: missing required field '{name}' ({_describe(hints[name])})")
             continue
         value = data[name]
+        nested = _nested_dataclass(hints[name])
+        if nested is not None and isinstance(value, dict):
+            kwargs[name] = from_dict(nested, value, f"{where}.{name}")
+            continue
         if not _type_ok(value, hints[name]):
             raise ConfigError(
                 f"{where}: field '{name}' must be {_describe(hints[name])}, got {value!r}"
@@ -262,6 +280,26 @@ def resolve_model_path(model: str) -> pathlib.Path:
 
 
 @dataclasses.dataclass(frozen=True)
+class VotingConfig:
+    """Temporal self-consistency voting (arXiv 2508.09138): parse an answer from the full prediction
+    at every decode step and return the weighted majority beside the final text."""
+
+    weighting: Literal["fixed", "linear", "exp"] = "exp"  # f(t): 1, (t+1)/T, exp(alpha*t/T)
+    alpha: float = 5.0
+    extractor: Literal["last_number", "boxed", "regex"] = "last_number"
+    pattern: str | None = None  # regex extractor: the answer is group 1 (or the whole match)
+
+    def validate(self, where: str = "voting") -> None:
+        _check(self.alpha >= 0.0, where, f"field 'alpha' must be >= 0, got {self.alpha}")
+        if self.extractor == "regex":
+            _check(bool(self.pattern), where, "extractor 'regex' needs field 'pattern'")
+            try:
+                re.compile(self.pattern)
+            except re.error as e:
+                raise ConfigError(f"{where}: field 'pattern' is not a valid regex: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
 class DecodeConfig:
     """How one request is decoded. SingleBD is buffer_size 1; MultiBD is the same loop with more."""
 
@@ -270,13 +308,18 @@ class DecodeConfig:
     add_block_threshold: float = 0.1  # tau_add: activate the next block once the last is this full
     semi_complete_threshold: float = 0.9  # tau_semi: a block's top-1 fallback needs this much of its predecessor
     token_stability_threshold: float = 0.0  # tau_stable: share of the last block the model keeps
-    policy: Literal["threshold", "fixed_steps"] = "threshold"
+    policy: Literal["threshold", "fixed_steps", "factor"] = "threshold"
     steps_per_block: int = 8  # fixed_steps: block_size / steps_per_block tokens per step
+    factor: float = 1.0  # factor (Fast-dLLM): accept the n most confident with (m+1)(1-c_m) <= factor
+    sampling_mode: Literal["naive", "edit"] = "naive"
+    edit_threshold: float = 0.5  # edit: rewrite a filled token when another is this confident
+    max_post_edit_steps: int = 16  # edit: a block is final after block_size + this many steps
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int = 0
     max_new_tokens: int = 128
     max_nfe: int = 1024  # decode forwards per request
+    voting: VotingConfig | None = None
 
     def validate(self, where: str = "decoding") -> None:
         _check(self.buffer_size >= 1, where, f"field 'buffer_size' must be >= 1, got {self.buffer_size}")
@@ -286,6 +329,11 @@ class DecodeConfig:
         _check(0.0 <= self.add_block_threshold, where,
                f"field 'add_block_threshold' must be >= 0 (above 1 never adds early), got "
                f"{self.add_block_threshold}")
+        _check(self.factor > 0.0, where, f"field 'factor' must be > 0, got {self.factor}")
+        _check(0.0 <= self.edit_threshold <= 1.0, where,
+               f"field 'edit_threshold' must be in [0, 1], got {self.edit_threshold}")
+        _check(self.max_post_edit_steps >= 0, where,
+               f"field 'max_post_edit_steps' must be >= 0, got {self.max_post_edit_steps}")
         _check(self.steps_per_block >= 1, where,
                f"field 'steps_per_block' must be >= 1, got {self.steps_per_block}")
         _check(self.temperature >= 0.0, where, f"field 'temperature' must be >= 0, got {self.temperature}")

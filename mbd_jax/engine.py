@@ -19,11 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from mbd_jax import kv as kvlib
-from mbd_jax.config import DecodeConfig, ModelConfig
-from mbd_jax.decoding import block_buffer, loop, policy
+from mbd_jax.config import DecodeConfig, ModelConfig, VotingConfig
+from mbd_jax.decoding import block_buffer, loop, policy, voting
 from mbd_jax.decoding.block_buffer import FINISH_NAMES, DecodeState, RowParams
 from mbd_jax.errors import UserError
 from mbd_jax.model.transformer import Transformer
+from mbd_jax.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass
@@ -33,11 +34,15 @@ class GenerationResult:
     nfe: int  # decode forwards
     tokens_unmasked: int
     bubble_forwards: int  # forwards that unmasked no token (the storing bubble)
+    edits: int  # filled tokens rewritten (edit mode)
     blocks: int  # blocks decoded (started)
     max_active_blocks: int
     prompt_tokens: int
     seconds: float
     text: str | None = None
+    voted_answer: str | None = None  # voting: the weighted majority over the steps' answers
+    final_answer: str | None = None  # voting: the answer parsed from the final text
+    vote_scores: dict[str, float] | None = None
 
     @property
     def tpf(self) -> float:
@@ -62,7 +67,13 @@ def prefill_buckets(block_size: int, prefill_chunk: int) -> list[int]:
 
 class Engine:
     def __init__(self, cfg: ModelConfig, params: Any, *, batch_size: int = 4, buffer_size: int = 1,
-                 prefill_chunk: int = 256, steps_per_call: int = 64):
+                 prefill_chunk: int = 256, steps_per_call: int = 64, debug: bool = False,
+                 tokenizer: Tokenizer | None = None, record_steps: int = 0, record_len: int = 0):
+        """batch_size rows decode together; buffer_size is the compiled N_buf (requests may use
+        less); with `debug`, every decode step checks the Block Buffer invariants and a broken
+        one raises (slower: the check scans each row's canvas). With a tokenizer, results carry
+        text. record_steps x record_len > 0 records each step's full prediction of the first
+        record_len generated positions (the last record_steps steps), which voting needs."""
         if prefill_chunk % cfg.block_size:
             raise UserError(f"prefill_chunk ({prefill_chunk}) must be a multiple of block_size "
                             f"({cfg.block_size})")
@@ -74,6 +85,9 @@ class Engine:
         self.buffer_size = buffer_size
         self.prefill_chunk = min(prefill_chunk, cfg.max_seq_len)
         self.steps_per_call = steps_per_call
+        self.debug = debug
+        self.tokenizer = tokenizer
+        self.record = (record_steps, record_len) if record_steps > 0 and record_len > 0 else (0, 0)
         # (seconds, decode steps) of the latest decode calls, for benches and metrics
         self.call_log: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)
         window = buffer_size * cfg.block_size
@@ -87,7 +101,7 @@ class Engine:
                                 static_argnames=("scratch_offset",), donate_argnames=("kv",))
         self._decode = jax.jit(
             functools.partial(loop.decode_loop, apply_fn=apply_fn, cfg=cfg, n_slots=buffer_size,
-                              stop_on_finish=False),
+                              stop_on_finish=False, debug=debug),
             donate_argnames=("state", "kv"))
 
     # ---------------------------------------------------------------- validation
@@ -107,6 +121,9 @@ class Engine:
         if d.buffer_size > self.buffer_size:
             raise UserError(f"{where}: buffer_size {d.buffer_size} exceeds this engine's "
                             f"{self.buffer_size}")
+        if d.voting is not None and (self.record == (0, 0) or self.tokenizer is None):
+            raise UserError(f"{where}: voting needs an engine that records trajectories and has a "
+                            "tokenizer (record_steps, record_len, tokenizer)")
 
     # ---------------------------------------------------------------- host -> device state
     def _row_params(self, prompts: list[np.ndarray], decodes: list[DecodeConfig]) -> RowParams:
@@ -117,17 +134,25 @@ class Engine:
             limit=jax.device_put(np.array(limits, np.int32)),
             max_nfe=col(lambda d: d.max_nfe, np.int32),
             buffer_size=col(lambda d: d.buffer_size, np.int32),
-            policy=col(lambda d: policy.POLICY_FIXED_STEPS if d.policy == "fixed_steps"
-                       else policy.POLICY_THRESHOLD, np.int32),
+            policy=col(lambda d: policy.POLICY_IDS[d.policy], np.int32),
             accept_threshold=col(lambda d: d.accept_threshold),
             add_block_threshold=col(lambda d: d.add_block_threshold),
             semi_complete_threshold=col(lambda d: d.semi_complete_threshold),
             token_stability_threshold=col(lambda d: d.token_stability_threshold),
             tokens_per_step=col(lambda d: d.tokens_per_step(cfg.block_size), np.int32),
+            factor=col(lambda d: d.factor),
+            edit=col(lambda d: d.sampling_mode == "edit", bool),
+            edit_threshold=col(lambda d: d.edit_threshold),
+            max_block_steps=col(lambda d: cfg.block_size + d.max_post_edit_steps, np.int32),
             temperature=col(lambda d: d.temperature),
             top_p=col(lambda d: d.top_p),
             seed=col(lambda d: d.seed, np.int32),
         )
+
+    def initial_state(self, prompts: list[np.ndarray], decodes: list[DecodeConfig]) -> DecodeState:
+        return block_buffer.initial_state(prompts, self.capacity, self.cfg.block_size,
+                                          self.buffer_size, self.cfg.mask_token_id,
+                                          self._row_params(prompts, decodes), self.record)
 
     def _prefill_rows(self, prompts: list[np.ndarray], rows: np.ndarray) -> None:
         """Writes the KV of every full prompt block of the selected rows, chunk by chunk."""
@@ -172,14 +197,12 @@ class Engine:
         rows = np.array([True] * n + [False] * pad)
         all_prompts = prompts + [np.array([self.cfg.pad_token_id], np.int32)] * pad
         all_decodes = decodes + [DecodeConfig()] * pad
-        state = block_buffer.initial_state(all_prompts, self.capacity, self.cfg.block_size,
-                                           self.cfg.mask_token_id,
-                                           self._row_params(all_prompts, all_decodes))
+        state = self.initial_state(all_prompts, all_decodes)
         state = state.replace(done=jax.device_put(~rows))
         self._prefill_rows(all_prompts, rows)
         state = self.run_decode(state)
         seconds = time.perf_counter() - t0
-        return self.results(state, n, seconds)
+        return self.results(state, n, seconds, decodes)
 
     def run_decode(self, state: DecodeState, max_calls: int | None = None) -> DecodeState:
         """Calls the jitted loop until every row is done (or max_calls calls ran)."""
@@ -190,10 +213,14 @@ class Engine:
                                                  np.int32(self.steps_per_call))
             steps = int(steps)  # waits for the call
             self.call_log.append((time.perf_counter() - t, steps))
+            if self.debug and np.any(jax.device_get(state.violations)):
+                rows = np.nonzero(jax.device_get(state.violations))[0].tolist()
+                raise RuntimeError(f"Block Buffer invariant broken in rows {rows} (debug mode)")
             calls += 1
         return state
 
-    def results(self, state: DecodeState, n: int, seconds: float) -> list[GenerationResult]:
+    def results(self, state: DecodeState, n: int, seconds: float,
+                decodes: Sequence[DecodeConfig] | None = None) -> list[GenerationResult]:
         host = jax.device_get(state)
         eos = set(self.cfg.eos_token_ids)
         out = []
@@ -206,9 +233,30 @@ class Engine:
             out.append(GenerationResult(
                 token_ids=ids, finish_reason=FINISH_NAMES.get(int(host.finish[i]), "unknown"),
                 nfe=int(host.nfe[i]), tokens_unmasked=int(host.n_unmasked[i]),
-                bubble_forwards=int(host.bubbles[i]), blocks=blocks,
+                bubble_forwards=int(host.bubbles[i]), edits=int(host.n_edits[i]), blocks=blocks,
                 max_active_blocks=int(host.max_active[i]), prompt_tokens=p0, seconds=seconds))
+            if self.tokenizer is not None:
+                out[-1].text = self.tokenizer.decode(ids)
+            if decodes is not None and decodes[i].voting is not None:
+                self._vote(out[-1], host.trajectory[i], decodes[i].voting)
         return out
+
+    def _vote(self, result: GenerationResult, trajectory: np.ndarray, cfg: VotingConfig) -> None:
+        """Parses every recorded step's full prediction and votes (voting.py)."""
+        r = trajectory.shape[0]
+        steps = list(range(max(0, result.nfe - r), result.nfe))
+        stops = set(self.cfg.eos_token_ids) | {self.cfg.mask_token_id}
+        answers = []
+        for t in steps:
+            ids = []
+            for tok in trajectory[t % r].tolist():
+                if tok in stops:
+                    break
+                ids.append(tok)
+            answers.append(voting.extract(self.tokenizer.decode(ids), cfg))
+        result.voted_answer, scores = voting.vote(answers, cfg, steps, result.nfe)
+        result.vote_scores = {a: round(s, 6) for a, s in scores.items()}
+        result.final_answer = voting.extract(result.text or "", cfg)
 
     def warmup(self) -> None:
         """Compiles every program this engine can run (all prefill buckets and the decode loop)."""
@@ -219,7 +267,5 @@ class Engine:
                                     np.int32(0), jax.device_put(np.zeros(b, np.int32)),
                                     jax.device_put(np.zeros(b, bool)), scratch_offset=self.scratch_offset)
         prompts = [np.array([self.cfg.pad_token_id], np.int32)] * b
-        state = block_buffer.initial_state(prompts, self.capacity, blk, self.cfg.mask_token_id,
-                                           self._row_params(prompts, [DecodeConfig()] * b))
-        self.run_decode(state, max_calls=1)
+        self.run_decode(self.initial_state(prompts, [DecodeConfig()] * b), max_calls=1)
         jax.block_until_ready(self.kv)

@@ -104,13 +104,12 @@ def _state_after(engine, prompt_len, window_tokens, n_valid, limit=100):
     """Runs `advance` on a hand-made window (blk 8, N 2) and returns the new state."""
     cfg = engine.cfg
     prompt = np.arange(10, 10 + prompt_len, dtype=np.int32)
-    params = engine._row_params([prompt], [DecodeConfig(max_new_tokens=limit - prompt_len, buffer_size=2)])
-    st = block_buffer.initial_state([prompt], engine.capacity, cfg.block_size, cfg.mask_token_id, params)
+    st = engine.initial_state([prompt], [DecodeConfig(max_new_tokens=limit - prompt_len, buffer_size=2)])
     st = st.replace(n_valid=jnp.array([n_valid]))
     old = block_buffer.window(st, 16)
     new = jnp.asarray([window_tokens], jnp.int32)
-    return block_buffer.advance(st, old, new, new != old, new, block_size=8, n_slots=2,
-                                eos_ids=cfg.eos_token_ids, mask_token_id=cfg.mask_token_id)
+    return block_buffer.advance(st, new, new != old, jnp.zeros_like(new, bool), new, block_size=8,
+                                n_slots=2, eos_ids=cfg.eos_token_ids, mask_token_id=cfg.mask_token_id)
 
 
 def test_stop_waits_for_the_prefix_before_eos(engine4):

@@ -4,12 +4,16 @@ Each row's text lives on a canvas [S_cap] (prompt, generated tokens, MASK elsewh
 the absolute position. The buffer is the window canvas[cached_len : cached_len + N*blk], N slots of
 one block each. Slot states are derived from two counters, which keeps the invariants structural:
 
-    slot i is TO_CACHE  if i < n_to_cache      (complete; its clean KV is written by the next forward)
-              ACTIVE    if i < n_valid         (being unmasked)
+    slot i is TO_CACHE  if i < n_to_cache      (final; its clean KV is written by the next forward)
+              ACTIVE    if i < n_valid         (being unmasked, or edited)
               DUMMY     otherwise              (not started; all MASK)
 
 so TO_CACHE slots always form a prefix and DUMMY slots a suffix. Committing n_to_cache blocks is
 `cached_len += n_to_cache * blk`: the window moves, nothing is copied. N = 1 is SingleBD.
+
+A block is *final* when it has no MASK left and, in edit mode, the last forward changed nothing
+in it (or it has been active for block_size + max_post_edit_steps steps). A final block whose
+predecessors are final becomes TO_CACHE.
 """
 
 from __future__ import annotations
@@ -31,12 +35,16 @@ class RowParams:
     limit: jax.Array  # prompt_len + max_new_tokens: positions >= limit are never generated
     max_nfe: jax.Array
     buffer_size: jax.Array  # <= the compiled N
-    policy: jax.Array
+    policy: jax.Array  # policy.POLICY_*
     accept_threshold: jax.Array
     add_block_threshold: jax.Array
     semi_complete_threshold: jax.Array
     token_stability_threshold: jax.Array
     tokens_per_step: jax.Array
+    factor: jax.Array
+    edit: jax.Array  # bool: sampling_mode == "edit"
+    edit_threshold: jax.Array
+    max_block_steps: jax.Array  # edit: block_size + max_post_edit_steps
     temperature: jax.Array
     top_p: jax.Array
     seed: jax.Array
@@ -49,13 +57,18 @@ class DecodeState:
     cached_len: jax.Array  # [B] positions whose clean KV is in the buffer; multiple of blk
     n_valid: jax.Array  # [B] non-DUMMY slots
     n_to_cache: jax.Array  # [B] TO_CACHE slots (a prefix)
+    slot_steps: jax.Array  # [B, N] forwards each slot has been ACTIVE for
     done: jax.Array  # [B] bool
     finish: jax.Array  # [B] FINISH_*
     stop_pos: jax.Array  # [B] end of the output (exclusive) once done
     nfe: jax.Array  # [B] decode forwards while live
     n_unmasked: jax.Array  # [B] tokens unmasked by decode steps
+    n_edits: jax.Array  # [B] filled tokens rewritten (edit mode)
     bubbles: jax.Array  # [B] forwards that unmasked nothing
     max_active: jax.Array  # [B] most ACTIVE slots seen at once
+    violations: jax.Array  # [B] steps that broke an invariant (counted in debug mode only)
+    trajectory: jax.Array  # [B, R, L] full prediction of the first L generated positions at each
+    #                        step (ring buffer of R steps; R = L = 0 when not recorded)
     params: RowParams
 
 
@@ -65,14 +78,21 @@ def window(state: DecodeState, width: int) -> jax.Array:
         state.canvas, state.cached_len)
 
 
-def advance(state: DecodeState, old_window: jax.Array, new_window: jax.Array,
-            accepted: jax.Array, greedy: jax.Array, *, block_size: int, n_slots: int,
-            eos_ids: tuple[int, ...], mask_token_id: int) -> DecodeState:
+def _shift_slots(x: jax.Array, c: jax.Array, fill) -> jax.Array:
+    """Slot j takes slot j + c[b]'s value (the buffer shift on commit); `fill` past the end."""
+    n = x.shape[1]
+    src = jnp.arange(n)[None, :] + c[:, None]
+    return jnp.where(src < n, jnp.take_along_axis(x, jnp.minimum(src, n - 1), axis=1), fill)
+
+
+def advance(state: DecodeState, new_window: jax.Array, filled_now: jax.Array, edited: jax.Array,
+            greedy: jax.Array, *, block_size: int, n_slots: int, eos_ids: tuple[int, ...],
+            mask_token_id: int) -> DecodeState:
     """Bookkeeping after one forward + unmask: write the window back, stop rows, commit the blocks
     stored by this forward, mark newly TO_CACHE blocks, activate the next block.
 
-    old_window/new_window/accepted/greedy: [B, W] before/after unmasking, which positions were
-    filled this step, and the model's argmax (for stability).
+    new_window: [B, W] after this step; filled_now / edited: [B, W] positions unmasked / rewritten
+    this step; greedy: [B, W] the model's argmax (for the stability rule).
     """
     b, w = new_window.shape
     blk, n = block_size, n_slots
@@ -84,14 +104,29 @@ def advance(state: DecodeState, old_window: jax.Array, new_window: jax.Array,
     pos = state.cached_len[:, None] + jnp.arange(w)  # [B, W] absolute positions
     generated = pos >= state.prompt_len[:, None]
     filled = new_window != mask_token_id
+    slot = jnp.arange(n)[None, :]
+    active = (slot >= state.n_to_cache[:, None]) & (slot < state.n_valid[:, None])  # [B, N]
 
-    # Stop: the output ends at the first EOS (inclusive) or at the limit; the row is done once
-    # every position before that end is filled (later positions cannot change what came before).
+    # Per-slot view of this step's result.
+    filled_slots = filled.reshape(b, n, blk)
+    fill = jnp.mean(filled_slots, axis=-1)  # [B, N]
+    changed = jnp.any((filled_now | edited).reshape(b, n, blk), axis=-1)
+    slot_steps = state.slot_steps + (active & live[:, None])
+    settled = ~p.edit[:, None] | ~changed | (slot_steps >= p.max_block_steps[:, None])
+    final = jnp.all(filled_slots, axis=-1) & settled  # [B, N]
+    kept = filled_slots & (greedy.reshape(b, n, blk) == new_window.reshape(b, n, blk))
+    stability = jnp.sum(kept, -1) / jnp.maximum(jnp.sum(filled_slots, -1), 1)
+
+    # Stop: the output ends at the first EOS (inclusive) or at the limit; the row is done once every
+    # position before that end is filled (later positions cannot change what came before) and, in
+    # edit mode, the blocks holding it have settled.
     is_eos = jnp.isin(new_window, jnp.asarray(eos_ids)) & filled & generated
     first_eos = jnp.min(jnp.where(is_eos, pos, NO_POSITION), axis=1)
     stop_pos = jnp.minimum(first_eos + 1, p.limit)
     gap = ~filled & generated & (pos < stop_pos[:, None])
-    complete_text = ~jnp.any(gap, axis=1) & (stop_pos <= state.cached_len + w)
+    stop_slot = (stop_pos - 1 - state.cached_len) // blk
+    unsettled = jnp.any(~settled & (slot <= stop_slot[:, None]), axis=1)
+    complete_text = ~jnp.any(gap, axis=1) & (stop_pos <= state.cached_len + w) & ~unsettled
     # Where the text stops if the nfe budget runs out first: the first masked generated position
     # (everything before cached_len is filled, so it lies in the window).
     first_gap = jnp.min(jnp.where(~filled & generated, pos, state.cached_len[:, None] + w), axis=1)
@@ -101,25 +136,18 @@ def advance(state: DecodeState, old_window: jax.Array, new_window: jax.Array,
     now_done = live & (complete_text | (nfe >= p.max_nfe))
 
     # Statistics (live rows only).
-    n_acc = jnp.sum(accepted, axis=1)
-    n_unmasked = state.n_unmasked + jnp.where(live, n_acc, 0)
-    bubbles = state.bubbles + (live & (n_acc == 0))
-
-    # Per-slot view of this step's result.
-    filled_slots = filled.reshape(b, n, blk)
-    fill = jnp.mean(filled_slots, axis=-1)  # [B, N]
-    complete = jnp.all(filled_slots, axis=-1)
-    kept = filled_slots & (greedy.reshape(b, n, blk) == new_window.reshape(b, n, blk))
-    stability = jnp.sum(kept, -1) / jnp.maximum(jnp.sum(filled_slots, -1), 1)
+    n_filled = jnp.sum(filled_now, axis=1)
+    n_edits = state.n_edits + jnp.where(live, jnp.sum(edited, axis=1), 0)
+    n_unmasked = state.n_unmasked + jnp.where(live, n_filled, 0)
+    bubbles = state.bubbles + (live & (n_filled == 0))
 
     # Commit: the TO_CACHE prefix was stored by this forward.
     keep_going = live & ~now_done
     c = jnp.where(keep_going, state.n_to_cache, 0)
     cached_len = state.cached_len + c * blk
     n_valid = state.n_valid - c
-    slot = jnp.arange(n)[None, :]
-    shifted = jnp.take_along_axis(complete, jnp.minimum(slot + c[:, None], n - 1), axis=1)
-    leading = jnp.cumprod(shifted & (slot < n_valid[:, None]), axis=1)
+    slot_steps = _shift_slots(slot_steps, c, 0)
+    leading = jnp.cumprod(_shift_slots(final, c, False) & (slot < n_valid[:, None]), axis=1)
     n_to_cache = jnp.where(keep_going, jnp.sum(leading, axis=1), state.n_to_cache)
 
     # Activate the next block: the buffer is empty, or the last valid block is far enough along,
@@ -139,22 +167,65 @@ def advance(state: DecodeState, old_window: jax.Array, new_window: jax.Array,
         cached_len=cached_len,
         n_valid=n_valid,
         n_to_cache=n_to_cache,
+        slot_steps=slot_steps,
         done=state.done | now_done,
         finish=jnp.where(now_done, finish, state.finish),
         stop_pos=jnp.where(now_done, jnp.where(complete_text, stop_pos, first_gap), state.stop_pos),
         nfe=nfe,
         n_unmasked=n_unmasked,
+        n_edits=n_edits,
         bubbles=bubbles,
         max_active=jnp.maximum(state.max_active, jnp.where(live, n_valid - n_to_cache, 0)),
     )
 
 
-def initial_state(prompts: list[np.ndarray], capacity: int, block_size: int, mask_token_id: int,
-                  params: RowParams) -> DecodeState:
+def check_invariants(state: DecodeState, *, block_size: int, n_slots: int,
+                     mask_token_id: int) -> jax.Array:
+    """Debug mode: True per row where an invariant is broken. O(S_cap) per step.
+
+    - cached_len is a multiple of the block size and the window fits the canvas;
+    - 0 <= n_to_cache <= n_valid <= min(buffer_size, N) (TO_CACHE is a prefix of the valid slots);
+    - no MASK was ever committed: canvas[prompt_len : cached_len] and the TO_CACHE slots are filled.
+    """
+    blk, n = block_size, n_slots
+    s_cap = state.canvas.shape[1]
+    pos = jnp.arange(s_cap)[None, :]
+    masked = state.canvas == mask_token_id
+    committed = (pos >= state.prompt_len[:, None]) & (pos < state.cached_len[:, None])
+    to_cache = (pos >= state.cached_len[:, None]) & (
+        pos < (state.cached_len + state.n_to_cache * blk)[:, None])
+    bad = (state.cached_len % blk != 0) | (state.cached_len + n * blk > s_cap)
+    bad |= (state.n_to_cache < 0) | (state.n_to_cache > state.n_valid)
+    bad |= state.n_valid > jnp.minimum(state.params.buffer_size, n)
+    bad |= jnp.any(masked & (committed | to_cache), axis=1)
+    return bad
+
+
+def record_prediction(state: DecodeState, window_prediction: jax.Array) -> DecodeState:
+    """Stores this step's full prediction (committed tokens, and window_prediction [B, W] over the
+    buffer) of the first L generated positions at trajectory[b, nfe % R]. O(L) per step."""
+    _, r, length = state.trajectory.shape
+    w = window_prediction.shape[1]
+    pos = state.prompt_len[:, None] + jnp.arange(length)  # [B, L]
+    committed = jax.vmap(lambda row, start: jax.lax.dynamic_slice(row, (start,), (length,)))(
+        state.canvas, state.prompt_len)
+    offset = pos - state.cached_len[:, None]
+    in_window = (offset >= 0) & (offset < w)
+    from_window = jnp.take_along_axis(window_prediction, jnp.clip(offset, 0, w - 1), axis=1)
+    prediction = jnp.where(in_window, from_window, committed)
+    slot = state.nfe % r
+    updated = jax.vmap(lambda traj, pred, i: jax.lax.dynamic_update_slice(traj, pred[None], (i, 0)))(
+        state.trajectory, prediction, slot)
+    return state.replace(trajectory=jnp.where(state.done[:, None, None], state.trajectory, updated))
+
+
+def initial_state(prompts: list[np.ndarray], capacity: int, block_size: int, n_slots: int,
+                  mask_token_id: int, params: RowParams, record: tuple[int, int] = (0, 0)) -> DecodeState:
     """Rows start with their full prompt blocks cached (after prefill) and one ACTIVE block: the
     block holding the first generated position, with its prompt positions fixed."""
     b = len(prompts)
-    canvas = np.full((b, capacity), mask_token_id, np.int32)
+    # The canvas is record[1] wider than the KV capacity so the recorded region of any row fits.
+    canvas = np.full((b, capacity + record[1]), mask_token_id, np.int32)
     prompt_len = np.array([len(t) for t in prompts], np.int32)
     for i, t in enumerate(prompts):
         canvas[i, : len(t)] = t
@@ -166,12 +237,16 @@ def initial_state(prompts: list[np.ndarray], capacity: int, block_size: int, mas
         cached_len=put(prompt_len // block_size * block_size),
         n_valid=put(ones),
         n_to_cache=put(zeros),
+        slot_steps=put(np.zeros((b, n_slots), np.int32)),
         done=put(np.zeros(b, bool)),
         finish=put(zeros),
         stop_pos=put(prompt_len),
         nfe=put(zeros),
         n_unmasked=put(zeros),
+        n_edits=put(zeros),
         bubbles=put(zeros),
         max_active=put(ones),
+        violations=put(zeros),
+        trajectory=put(np.full((b, *record), mask_token_id, np.int32)),
         params=params,
     )

@@ -36,8 +36,9 @@ def prefill(params: Any, kv: KVCache, tokens: jax.Array, start: jax.Array, full_
 
 
 def decode_step(params: Any, state: DecodeState, kv: KVCache, *, apply_fn: ApplyFn,
-                cfg: ModelConfig, n_slots: int) -> tuple[DecodeState, KVCache]:
-    """One forward over every row's buffer (N * blk tokens), unmasking, and the bookkeeping."""
+                cfg: ModelConfig, n_slots: int, debug: bool = False) -> tuple[DecodeState, KVCache]:
+    """One forward over every row's buffer (N * blk tokens), unmasking, and the bookkeeping.
+    With `debug`, the Block Buffer invariants are checked after the step (state.violations)."""
     blk = cfg.block_size
     w = n_slots * blk
     p = state.params
@@ -51,24 +52,38 @@ def decode_step(params: Any, state: DecodeState, kv: KVCache, *, apply_fn: Apply
                                                keys)
     slot = jnp.arange(w) // blk
     active = (slot[None] >= state.n_to_cache[:, None]) & (slot[None] < state.n_valid[:, None])
+    active &= ~state.done[:, None]
+    masked = win == cfg.mask_token_id
     in_limit = positions < p.limit[:, None]  # positions past max_new_tokens are never generated
-    maskable = (win == cfg.mask_token_id) & active & in_limit & ~state.done[:, None]
+    maskable = masked & active & in_limit
 
     # Filled share of each slot's predecessor (slot 0's predecessor is cached: complete).
-    fill = jnp.mean((win != cfg.mask_token_id).reshape(-1, n_slots, blk), axis=-1)
+    fill = jnp.mean(~masked.reshape(-1, n_slots, blk), axis=-1)
     prev_fill = jnp.concatenate([jnp.ones_like(fill[:, :1]), fill[:, :-1]], axis=1)
-    accepted = policy.select(confidence, maskable, prev_fill, p.policy, p.accept_threshold,
-                             p.tokens_per_step, p.semi_complete_threshold, n_slots)
-    new_win = jnp.where(accepted, token, win)
-    state = block_buffer.advance(state, win, new_win, accepted, greedy, block_size=blk,
+    filled_now = policy.select(confidence, maskable, prev_fill, p.policy, p.accept_threshold,
+                               p.tokens_per_step, p.factor, p.semi_complete_threshold, n_slots)
+    # Edit mode: a generated token in an ACTIVE block is rewritten when the model now prefers
+    # another token with confidence above edit_threshold.
+    generated = positions >= state.prompt_len[:, None]
+    edited = (~masked & active & generated & p.edit[:, None] & (token != win)
+              & (confidence > p.edit_threshold[:, None]))
+    new_win = jnp.where(filled_now | edited, token, win)
+    if state.trajectory.shape[1] > 0:  # static: voting needs every step's full prediction
+        state = block_buffer.record_prediction(
+            state, jnp.where(new_win == cfg.mask_token_id, greedy, new_win))
+    state = block_buffer.advance(state, new_win, filled_now, edited, greedy, block_size=blk,
                                  n_slots=n_slots, eos_ids=cfg.eos_token_ids,
                                  mask_token_id=cfg.mask_token_id)
+    if debug:
+        bad = block_buffer.check_invariants(state, block_size=blk, n_slots=n_slots,
+                                            mask_token_id=cfg.mask_token_id)
+        state = state.replace(violations=state.violations + bad)
     return state, kv
 
 
 def decode_loop(params: Any, state: DecodeState, kv: KVCache, max_steps: jax.Array, *,
-                apply_fn: ApplyFn, cfg: ModelConfig, n_slots: int,
-                stop_on_finish: bool) -> tuple[DecodeState, KVCache, jax.Array]:
+                apply_fn: ApplyFn, cfg: ModelConfig, n_slots: int, stop_on_finish: bool,
+                debug: bool = False) -> tuple[DecodeState, KVCache, jax.Array]:
     """Runs decode steps on device until every row is done, `max_steps` forwards ran, or (with
     stop_on_finish) some row finished, so the host can refill it. Returns the steps run."""
 
@@ -78,7 +93,8 @@ def decode_loop(params: Any, state: DecodeState, kv: KVCache, max_steps: jax.Arr
 
     def body(carry):
         st, cache, steps, _ = carry
-        new_st, cache = decode_step(params, st, cache, apply_fn=apply_fn, cfg=cfg, n_slots=n_slots)
+        new_st, cache = decode_step(params, st, cache, apply_fn=apply_fn, cfg=cfg, n_slots=n_slots,
+                                    debug=debug)
         event = jnp.any(new_st.done & ~st.done) if stop_on_finish else jnp.asarray(False)
         return new_st, cache, steps + 1, event
 

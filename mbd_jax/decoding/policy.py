@@ -14,6 +14,8 @@ from mbd_jax.model.layers import NEG_INF
 
 POLICY_THRESHOLD = 0
 POLICY_FIXED_STEPS = 1
+POLICY_FACTOR = 2
+POLICY_IDS = {"threshold": POLICY_THRESHOLD, "fixed_steps": POLICY_FIXED_STEPS, "factor": POLICY_FACTOR}
 
 
 def _top_p_filter(logits: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -50,13 +52,13 @@ def predict(logits: jax.Array, mask_token_id: int, temperature: jax.Array, top_p
 
 
 def select(confidence: jax.Array, maskable: jax.Array, prev_fill: jax.Array, policy: jax.Array,
-           accept_threshold: jax.Array, tokens_per_step: jax.Array,
+           accept_threshold: jax.Array, tokens_per_step: jax.Array, factor: jax.Array,
            semi_complete_threshold: jax.Array, n_slots: int) -> jax.Array:
     """Which masked positions to fill this step. Returns bool [B, W].
 
     confidence, maskable: [B, W] (maskable = masked and in an ACTIVE block of a live row);
     prev_fill: [B, N] filled share of each slot's predecessor block (1 for the first slot, whose
-    predecessor is cached); per-row [B]: policy, accept_threshold, tokens_per_step,
+    predecessor is cached); per-row [B]: policy, accept_threshold, tokens_per_step, factor,
     semi_complete_threshold.
 
     threshold:   accept every position with confidence > accept_threshold; a block that accepts
@@ -64,6 +66,10 @@ def select(confidence: jax.Array, maskable: jax.Array, prev_fill: jax.Array, pol
                  semi_complete_threshold filled.
     fixed_steps: each block takes its tokens_per_step most confident positions, with the same
                  predecessor gate.
+    factor:      (Fast-dLLM) with a block's masked confidences sorted c_0 >= c_1 >= ..., accept
+                 the largest prefix whose every m has (m + 1) * (1 - c_m) <= factor; the product
+                 grows with m, so that is each position with (rank + 1) * (1 - c) <= factor. A
+                 block that accepts none takes its top-1, with the same predecessor gate.
     """
     b, w = confidence.shape
     blk = w // n_slots
@@ -72,9 +78,10 @@ def select(confidence: jax.Array, maskable: jax.Array, prev_fill: jax.Array, pol
     rank = jnp.argsort(jnp.argsort(-conf, axis=-1, stable=True), axis=-1, stable=True)
     gate = (prev_fill >= semi_complete_threshold[:, None])[..., None]  # [B, N, 1]
 
-    confident = can & (conf > accept_threshold[:, None, None])
+    by_factor = can & ((rank + 1) * (1.0 - conf) <= factor[:, None, None])
+    confident = jnp.where((policy == POLICY_FACTOR)[:, None, None], by_factor,
+                          can & (conf > accept_threshold[:, None, None]))
     fallback = can & (rank == 0) & ~jnp.any(confident, axis=-1, keepdims=True) & gate
-    by_threshold = confident | fallback
     by_steps = can & (rank < tokens_per_step[:, None, None]) & gate
     fixed = (policy == POLICY_FIXED_STEPS)[:, None, None]
-    return jnp.where(fixed, by_steps, by_threshold).reshape(b, w)
+    return jnp.where(fixed, by_steps, confident | fallback).reshape(b, w)
