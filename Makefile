@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PROMPT ?= What is 12 + 30?
+PORT   ?= 8000
 
-.PHONY: run test bench clean
+.PHONY: run generate test bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,8 +19,12 @@ $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $@ $(VENV)/.installed
 
-## make run: install and generate on the embedded default model
+## make run: install and start the HTTP service on the embedded default model (Ctrl-C stops it)
 run: $(VENV)/.installed
+	$(BIN)/mbd-jax serve --config configs/serve.yaml --port $(PORT)
+
+## make generate: one offline generation on the default model
+generate: $(VENV)/.installed
 	$(BIN)/mbd-jax generate --prompt "$(PROMPT)" --max-new-tokens 32
 
 ## make test: install with the dev extras and run the whole suite

@@ -135,6 +135,16 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from mbd_jax.config import load_serve_config
+    from serving.server import load_api_keys, serve
+
+    cfg = load_serve_config(args.config, **{
+        "model": args.model, "server.host": args.host, "server.port": args.port,
+        "server.admin_host": args.admin_host, "server.admin_port": args.admin_port})
+    return serve(cfg, load_api_keys(args.api_key_file))
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mbd-jax", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -148,6 +158,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--profile", metavar="DIR", help="write a JAX profiler trace to DIR")
     _add_decode_flags(g)
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="the HTTP service (OpenAI-compatible; admin port for metrics)")
+    s.add_argument("--model", help="preset, YAML or model dir (default: the config's, tiny-random)")
+    s.add_argument("--config", help="serve config YAML (configs/serve.yaml)")
+    s.add_argument("--host")
+    s.add_argument("--port", type=int)
+    s.add_argument("--admin-host")
+    s.add_argument("--admin-port", type=int)
+    s.add_argument("--api-key-file", help="one API key per line (also: MBD_API_KEYS=k1,k2)")
+    s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)

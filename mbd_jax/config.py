@@ -351,3 +351,110 @@ def decode_config(**overrides: Any) -> DecodeConfig:
     """A DecodeConfig from keyword overrides (None values keep the default), validated."""
     return from_dict(DecodeConfig, {k: v for k, v in overrides.items() if v is not None},
                      where="decoding")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+    """Serving defaults and limits for generation (the seeds' `generation` section)."""
+
+    block_size: int | None = None  # if set, must equal the model's block size
+    thinking_mode: bool = False  # default for requests that do not say `thinking`
+    max_new_tokens: int = 128  # default when a request does not say
+    max_new_tokens_limit: int = 1024  # the most a request may ask for
+    diffusion_steps: int | None = None  # if set: fixed_steps policy with this many steps per block
+    thinking_max_new_tokens: int = 512  # thinking requests: their own token budget ...
+    thinking_timeout_ms: int = 120000  # ... and time budget
+    thinking_max_rows: int = 2  # ... and at most this many rows at once
+
+    def validate(self, where: str = "generation") -> None:
+        for f in ("max_new_tokens", "max_new_tokens_limit", "thinking_max_new_tokens",
+                  "thinking_timeout_ms", "thinking_max_rows"):
+            _check(getattr(self, f) >= 1, where, f"field '{f}' must be >= 1, got {getattr(self, f)}")
+        _check(self.max_new_tokens <= self.max_new_tokens_limit, where,
+               "field 'max_new_tokens' must be <= 'max_new_tokens_limit'")
+        _check(self.diffusion_steps is None or self.diffusion_steps >= 1, where,
+               "field 'diffusion_steps' must be >= 1 or null")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    admin_host: str = "127.0.0.1"
+    admin_port: int = 9100
+    max_batch_size: int = 8  # rows decoded together
+    buffer_size: int = 2  # compiled N_buf: the largest MultiBD buffer a request may use
+    prefill_chunk: int = 256
+    steps_per_call: int = 16  # decode steps between host visits (streaming granularity)
+    queue_size: int = 256  # waiting requests; beyond -> 429
+    queue_timeout_ms: int = 30000  # waiting longer than this -> 504
+    generation_timeout_ms: int = 120000  # running longer than this -> 504
+    max_body_bytes: int = 1 << 20  # larger bodies -> 413
+    max_segments: int = 64  # /generate segments per request
+    rate_limit_per_s: float = 0.0  # per API key token bucket; 0 = unlimited
+    rate_limit_burst: int = 20
+    drain_timeout_s: float = 30.0  # SIGTERM: finish in-flight requests within this
+
+    def validate(self, where: str = "server") -> None:
+        for f in ("port", "admin_port", "max_batch_size", "buffer_size", "prefill_chunk",
+                  "steps_per_call", "queue_size", "queue_timeout_ms", "generation_timeout_ms",
+                  "max_body_bytes", "max_segments", "rate_limit_burst"):
+            _check(getattr(self, f) >= 1, where, f"field '{f}' must be >= 1, got {getattr(self, f)}")
+        _check(self.rate_limit_per_s >= 0, where, "field 'rate_limit_per_s' must be >= 0")
+        _check(self.drain_timeout_s >= 0, where, "field 'drain_timeout_s' must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """Prefix KV cache (the KV persistence issue). Accepted and validated; not used yet."""
+
+    enabled: bool = False
+    storage_path: str | None = None
+    ram_capacity_mb: int = 1024
+    disk_capacity_mb: int = 10240
+    ttl_s: int = 86400
+
+    def validate(self, where: str = "cache") -> None:
+        _check(self.ram_capacity_mb >= 0 and self.disk_capacity_mb >= 0 and self.ttl_s >= 0, where,
+               "fields 'ram_capacity_mb', 'disk_capacity_mb', 'ttl_s' must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class MonitoringConfig:
+    enabled: bool = True  # /metrics on the admin port
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    def validate(self, where: str = "monitoring") -> None:
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """configs/serve.yaml: the service's settings (unknown or ill-typed fields are rejected)."""
+
+    model: str = "tiny-random"
+    generation: GenerationConfig = GenerationConfig()
+    decoding: DecodeConfig = DecodeConfig(buffer_size=2)  # request defaults
+    server: ServerConfig = ServerConfig()
+    cache: CacheConfig = CacheConfig()
+    monitoring: MonitoringConfig = MonitoringConfig()
+
+    def validate(self, where: str = "serve") -> None:
+        _check(self.decoding.buffer_size <= self.server.buffer_size, where,
+               "decoding.buffer_size must be <= server.buffer_size (the compiled N_buf)")
+
+
+def load_serve_config(path: str | pathlib.Path | None, **overrides: Any) -> ServeConfig:
+    data = load_yaml(pathlib.Path(path)) if path else {}
+    data = data or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections")
+    for key, value in overrides.items():  # "server.port": 8001, or "model": "tiny-random"
+        if value is None:
+            continue
+        section, _, field = key.partition(".")
+        if field:
+            data.setdefault(section, {})[field] = value
+        else:
+            data[section] = value
+    return from_dict(ServeConfig, data, where=str(path or "serve"))

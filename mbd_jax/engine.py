@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mbd_jax import compile_stats
 from mbd_jax import kv as kvlib
 from mbd_jax.config import DecodeConfig, ModelConfig, VotingConfig
 from mbd_jax.decoding import block_buffer, loop, policy, voting
@@ -65,6 +66,14 @@ def prefill_buckets(block_size: int, prefill_chunk: int) -> list[int]:
     return sizes + [prefill_chunk]
 
 
+def _merge_rows(old: DecodeState, new: DecodeState, rows: jax.Array) -> DecodeState:
+    """Row b of the result is new's where rows[b], else old's (every leaf has batch first)."""
+    def pick(a, b):
+        return jnp.where(rows.reshape((-1,) + (1,) * (a.ndim - 1)), b, a)
+
+    return jax.tree.map(pick, old, new)
+
+
 class Engine:
     def __init__(self, cfg: ModelConfig, params: Any, *, batch_size: int = 4, buffer_size: int = 1,
                  prefill_chunk: int = 256, steps_per_call: int = 64, debug: bool = False,
@@ -79,6 +88,7 @@ class Engine:
                             f"({cfg.block_size})")
         if batch_size < 1 or buffer_size < 1:
             raise UserError("batch_size and buffer_size must be >= 1")
+        compile_stats.install()  # count this engine's compilations from the first one
         self.cfg = cfg
         self.params = params
         self.batch_size = batch_size
@@ -99,10 +109,14 @@ class Engine:
         apply_fn = Transformer(cfg).apply
         self._prefill = jax.jit(functools.partial(loop.prefill, apply_fn=apply_fn),
                                 static_argnames=("scratch_offset",), donate_argnames=("kv",))
-        self._decode = jax.jit(
-            functools.partial(loop.decode_loop, apply_fn=apply_fn, cfg=cfg, n_slots=buffer_size,
-                              stop_on_finish=False, debug=debug),
-            donate_argnames=("state", "kv"))
+        decode = functools.partial(loop.decode_loop, apply_fn=apply_fn, cfg=cfg,
+                                   n_slots=buffer_size, debug=debug)
+        self._decode = jax.jit(functools.partial(decode, stop_on_finish=False),
+                               donate_argnames=("state", "kv"))
+        # Continuous batching: return as soon as a row finishes, so the host can refill it.
+        self._decode_until_finish = jax.jit(functools.partial(decode, stop_on_finish=True),
+                                            donate_argnames=("state", "kv"))
+        self._merge = jax.jit(_merge_rows, donate_argnames=("old",))
 
     # ---------------------------------------------------------------- validation
     def check_prompt(self, ids: Sequence[int], where: str = "prompt") -> None:
@@ -221,25 +235,37 @@ class Engine:
 
     def results(self, state: DecodeState, n: int, seconds: float,
                 decodes: Sequence[DecodeConfig] | None = None) -> list[GenerationResult]:
+        """Results of rows 0..n-1 of a finished state."""
         host = jax.device_get(state)
-        eos = set(self.cfg.eos_token_ids)
-        out = []
-        for i in range(n):
-            p0, stop = int(host.prompt_len[i]), int(host.stop_pos[i])
-            ids = [int(t) for t in host.canvas[i, p0:stop]]
-            if ids and ids[-1] in eos and int(host.finish[i]) == block_buffer.FINISH_STOP:
-                ids = ids[:-1]
-            blocks = math.ceil(max(stop, p0 + 1) / self.cfg.block_size) - p0 // self.cfg.block_size
-            out.append(GenerationResult(
-                token_ids=ids, finish_reason=FINISH_NAMES.get(int(host.finish[i]), "unknown"),
-                nfe=int(host.nfe[i]), tokens_unmasked=int(host.n_unmasked[i]),
-                bubble_forwards=int(host.bubbles[i]), edits=int(host.n_edits[i]), blocks=blocks,
-                max_active_blocks=int(host.max_active[i]), prompt_tokens=p0, seconds=seconds))
-            if self.tokenizer is not None:
-                out[-1].text = self.tokenizer.decode(ids)
-            if decodes is not None and decodes[i].voting is not None:
-                self._vote(out[-1], host.trajectory[i], decodes[i].voting)
-        return out
+        return [self.result_of(host, i, seconds, None if decodes is None else decodes[i])
+                for i in range(n)]
+
+    def output_ids(self, host: DecodeState, row: int, end: int | None = None) -> list[int]:
+        """Row's generated tokens from host arrays, up to `end` (default: its stop position),
+        without a terminating EOS."""
+        p0 = int(host.prompt_len[row])
+        stop = int(host.stop_pos[row]) if end is None else end
+        ids = host.canvas[row, p0:stop].tolist()
+        if ids and ids[-1] in self.cfg.eos_token_ids and int(host.finish[row]) == block_buffer.FINISH_STOP:
+            ids = ids[:-1]
+        return ids
+
+    def result_of(self, host: DecodeState, i: int, seconds: float,
+                  decode: DecodeConfig | None = None) -> GenerationResult:
+        """The result of finished row i, from host arrays (jax.device_get of the state)."""
+        p0, stop = int(host.prompt_len[i]), int(host.stop_pos[i])
+        ids = self.output_ids(host, i)
+        blocks = math.ceil(max(stop, p0 + 1) / self.cfg.block_size) - p0 // self.cfg.block_size
+        r = GenerationResult(
+            token_ids=ids, finish_reason=FINISH_NAMES.get(int(host.finish[i]), "unknown"),
+            nfe=int(host.nfe[i]), tokens_unmasked=int(host.n_unmasked[i]),
+            bubble_forwards=int(host.bubbles[i]), edits=int(host.n_edits[i]), blocks=blocks,
+            max_active_blocks=int(host.max_active[i]), prompt_tokens=p0, seconds=seconds)
+        if self.tokenizer is not None:
+            r.text = self.tokenizer.decode(ids)
+        if decode is not None and decode.voting is not None:
+            self._vote(r, host.trajectory[i], decode.voting)
+        return r
 
     def _vote(self, result: GenerationResult, trajectory: np.ndarray, cfg: VotingConfig) -> None:
         """Parses every recorded step's full prediction and votes (voting.py)."""
@@ -258,6 +284,44 @@ class Engine:
         result.vote_scores = {a: round(s, 6) for a, s in scores.items()}
         result.final_answer = voting.extract(result.text or "", cfg)
 
+    # ---------------------------------------------------------------- continuous batching
+    def empty_state(self) -> DecodeState:
+        """A state whose rows are all free (done)."""
+        prompts = [np.array([self.cfg.pad_token_id], np.int32)] * self.batch_size
+        state = self.initial_state(prompts, [DecodeConfig()] * self.batch_size)
+        return state.replace(done=jax.device_put(np.ones(self.batch_size, bool)))
+
+    def admit(self, state: DecodeState, requests: dict[int, tuple[Sequence[int], DecodeConfig]]
+              ) -> DecodeState:
+        """Starts requests in free rows {row: (prompt ids, decode)} while the other rows keep their
+        state and KV: only the admitted rows are prefilled, then their fresh state is merged in."""
+        b = self.batch_size
+        rows = np.zeros(b, bool)
+        prompts = [np.array([self.cfg.pad_token_id], np.int32)] * b
+        decodes = [DecodeConfig()] * b
+        for row, (prompt, decode) in requests.items():
+            self.check_prompt(prompt)
+            self.check_decode(decode)
+            rows[row], prompts[row], decodes[row] = True, np.asarray(prompt, np.int32), decode
+        fresh = self.initial_state(prompts, decodes)
+        self._prefill_rows(prompts, rows)
+        return self._merge(state, fresh, jax.device_put(rows))
+
+    def cancel(self, state: DecodeState, rows: Sequence[int]) -> DecodeState:
+        """Frees rows (a client went away): they stop at the next step."""
+        done = np.array(jax.device_get(state.done))
+        done[list(rows)] = True
+        return state.replace(done=jax.device_put(done))
+
+    def decode_until_finish(self, state: DecodeState, max_steps: int) -> DecodeState:
+        """One decode call: up to max_steps steps, returning early when some row finishes."""
+        t = time.perf_counter()
+        state, self.kv, steps = self._decode_until_finish(self.params, state, self.kv,
+                                                          np.int32(max_steps))
+        steps = int(steps)
+        self.call_log.append((time.perf_counter() - t, steps))
+        return state
+
     def warmup(self) -> None:
         """Compiles every program this engine can run (all prefill buckets and the decode loop)."""
         blk = self.cfg.block_size
@@ -268,4 +332,6 @@ class Engine:
                                     jax.device_put(np.zeros(b, bool)), scratch_offset=self.scratch_offset)
         prompts = [np.array([self.cfg.pad_token_id], np.int32)] * b
         self.run_decode(self.initial_state(prompts, [DecodeConfig()] * b), max_calls=1)
+        state = self.admit(self.empty_state(), {0: (prompts[0], DecodeConfig(max_new_tokens=1))})
+        self.decode_until_finish(state, 1)
         jax.block_until_ready(self.kv)

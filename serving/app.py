@@ -1,0 +1,424 @@
+"""The HTTP layer (Starlette): OpenAI-compatible routes, /generate, health, and the admin app.
+
+HTTP only: requests are validated here and handed to the Scheduler; nothing here touches a device
+or blocks the event loop. Every client mistake is a 4xx with a JSON body
+{"error": {"message", "type", "param"}} that names the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import pathlib
+import threading
+import time
+import uuid
+from typing import Any
+
+import jax
+from starlette.applications import Starlette
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from mbd_jax import chat
+from mbd_jax.config import DecodeConfig, ServeConfig, from_dict
+from mbd_jax.errors import UserError
+from serving.scheduler import Draining, QueueFull, Request, Scheduler
+
+log = logging.getLogger("mbd_jax.serving")
+
+# OpenAI fields we accept only at their default (anything else is refused, not silently ignored).
+_DEFAULT_ONLY = {"n": 1, "frequency_penalty": 0, "presence_penalty": 0, "logprobs": None,
+                 "top_logprobs": None, "echo": False, "best_of": 1, "stop": None, "suffix": None,
+                 "logit_bias": None, "response_format": None}
+_COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stream",
+           "stream_options", "user", "decoding", "thinking", *_DEFAULT_ONLY}
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.headers = headers or {}
+
+
+def error_response(e: HTTPError) -> JSONResponse:
+    return JSONResponse({"error": {"message": e.message, "type": e.kind, "param": e.param,
+                                   "code": e.status}}, status_code=e.status, headers=e.headers)
+
+
+class TokenBucket:
+    def __init__(self, rate: float, burst: int):
+        self.rate, self.burst = rate, burst
+        self._tokens: dict[str, tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, key: str) -> float:
+        """0 if allowed, else seconds until a token is available."""
+        now = time.monotonic()
+        with self._lock:
+            tokens, last = self._tokens.get(key, (float(self.burst), now))
+            tokens = min(self.burst, tokens + (now - last) * self.rate)
+            if tokens >= 1:
+                self._tokens[key] = (tokens - 1, now)
+                return 0.0
+            self._tokens[key] = (tokens, now)
+            return (1 - tokens) / self.rate
+
+
+@dataclasses.dataclass
+class Service:
+    """Everything the routes share."""
+
+    cfg: ServeConfig
+    scheduler: Scheduler
+    metrics: Any
+    model_name: str
+    api_keys: list[str]
+    profile_dir: pathlib.Path
+    rate: TokenBucket | None = None
+    profiling: bool = False
+
+    def __post_init__(self):
+        if self.cfg.server.rate_limit_per_s > 0:
+            self.rate = TokenBucket(self.cfg.server.rate_limit_per_s, self.cfg.server.rate_limit_burst)
+
+    # ------------------------------------------------------------ request checks
+    def authorize(self, request: HTTPRequest) -> str:
+        """The caller's key (or client address when the service is open); 401 otherwise. Each
+        configured key is compared in constant time."""
+        if not self.api_keys:
+            return request.client.host if request.client else "anonymous"
+        header = request.headers.get("authorization", "")
+        given = header[7:].strip() if header.lower().startswith("bearer ") else ""
+        match = None
+        for key in self.api_keys:
+            if hmac.compare_digest(given.encode(), key.encode()) and given:
+                match = key
+        if match is None:
+            raise HTTPError(401, "missing or invalid API key (Authorization: Bearer KEY)",
+                            kind="authentication_error")
+        return match
+
+    def limit_rate(self, caller: str) -> None:
+        if self.rate is None:
+            return
+        wait = self.rate.take(caller)
+        if wait > 0:
+            self.metrics.rate_limited.inc()
+            raise HTTPError(429, f"rate limit: {self.cfg.server.rate_limit_per_s} requests/s "
+                                 f"(burst {self.cfg.server.rate_limit_burst}) per key",
+                            kind="rate_limit_error", headers={"Retry-After": str(max(1, round(wait)))})
+
+    async def read_json(self, request: HTTPRequest) -> dict:
+        limit = self.cfg.server.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise HTTPError(413, f"request body is {declared} bytes; the limit is {limit}")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise HTTPError(413, f"request body exceeds the limit of {limit} bytes")
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise HTTPError(400, f"invalid JSON body: {e}") from None
+        if not isinstance(data, dict):
+            raise HTTPError(400, "the JSON body must be an object")
+        return data
+
+    # ------------------------------------------------------------ parameters
+    def decode_config(self, body: dict, allowed: set[str]) -> tuple[DecodeConfig, bool]:
+        """The request's DecodeConfig (server defaults + overrides) and its thinking flag."""
+        for key, value in body.items():
+            if key not in allowed:
+                raise HTTPError(400, f"unknown field '{key}'", param=key)
+            if key in _DEFAULT_ONLY and value != _DEFAULT_ONLY[key] and not (
+                    key == "logprobs" and value is False):
+                raise HTTPError(400, f"field '{key}' is not supported (only {_DEFAULT_ONLY[key]!r})",
+                                param=key)
+        gen = self.cfg.generation
+        thinking = body.get("thinking", gen.thinking_mode)
+        if not isinstance(thinking, bool):
+            raise HTTPError(400, "field 'thinking' must be true or false", param="thinking")
+        base = dataclasses.asdict(self.cfg.decoding)
+        base["voting"] = self.cfg.decoding.voting and dataclasses.asdict(self.cfg.decoding.voting)
+        if gen.diffusion_steps:
+            base.update(policy="fixed_steps", steps_per_block=gen.diffusion_steps)
+        limit = gen.thinking_max_new_tokens if thinking else gen.max_new_tokens_limit
+        base["max_new_tokens"] = min(gen.max_new_tokens, limit)
+        decoding = body.get("decoding", {})
+        if decoding is None:
+            decoding = {}
+        if not isinstance(decoding, dict):
+            raise HTTPError(400, "field 'decoding' must be an object", param="decoding")
+        overrides = dict(decoding)
+        for field, key in (("max_new_tokens", "max_tokens"), ("max_new_tokens", "max_completion_tokens"),
+                           ("max_new_tokens", "max_new_tokens"), ("temperature", "temperature"),
+                           ("top_p", "top_p"), ("seed", "seed")):
+            if body.get(key) is not None:
+                overrides[field] = body[key]
+        requested = overrides.get("max_new_tokens")
+        if isinstance(requested, int) and not isinstance(requested, bool) and requested > limit:
+            raise HTTPError(400, f"max_tokens {requested} exceeds this server's limit of {limit}"
+                                 + (" for thinking requests" if thinking else ""), param="max_tokens")
+        if "temperature" in overrides and isinstance(overrides["temperature"], (int, float)) \
+                and overrides["temperature"] > 2:
+            raise HTTPError(400, "field 'temperature' must be in [0, 2]", param="temperature")
+        base.update(overrides)
+        try:
+            d = from_dict(DecodeConfig, base, where="decoding")
+            self.scheduler.engine.check_decode(d)
+        except UserError as e:
+            field = str(e).split("'")[1] if "'" in str(e) else "decoding"
+            raise HTTPError(400, str(e), param=field) from None
+        return d, thinking
+
+    def encode(self, text: Any, param: str) -> list[int]:
+        if not isinstance(text, str):
+            raise HTTPError(400, f"field '{param}' must be a string", param=param)
+        if not text:
+            raise HTTPError(400, f"field '{param}' is empty; give some text", param=param)
+        ids = self.scheduler.engine.tokenizer.encode(text)
+        try:
+            self.scheduler.engine.check_prompt(ids, where=param)
+        except UserError as e:
+            raise HTTPError(400, str(e), param=param) from None
+        return ids
+
+    # ------------------------------------------------------------ running requests
+    async def start(self, prompts: list[list[int]], decode: DecodeConfig, thinking: bool) -> list[Request]:
+        if not self.scheduler.ready:
+            raise HTTPError(503, "the model is still loading; retry when /ready is 200",
+                            kind="unavailable", headers={"Retry-After": "5"})
+        loop = asyncio.get_running_loop()
+        reqs = [Request(id=f"req-{uuid.uuid4().hex[:16]}", prompt=p, decode=decode, loop=loop,
+                        thinking=thinking) for p in prompts]
+        try:
+            self.scheduler.submit(reqs)
+        except QueueFull:
+            raise HTTPError(429, f"the queue is full ({self.cfg.server.queue_size} waiting)",
+                            kind="rate_limit_error", headers={"Retry-After": "1"}) from None
+        except Draining:
+            raise HTTPError(503, "the server is shutting down", kind="unavailable") from None
+        return reqs
+
+    @staticmethod
+    async def collect(req: Request):
+        """Waits for a request's result; raises HTTPError for an engine-side error."""
+        while True:
+            event = await req.events.get()
+            if event[0] == "done":
+                return event[1]
+            if event[0] == "error":
+                raise HTTPError(event[1], event[2], kind="timeout" if event[1] == 504 else "server_error")
+
+
+def usage(result) -> dict:
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.token_ids),
+            "total_tokens": result.prompt_tokens + len(result.token_ids), "nfe": result.nfe,
+            "tokens_per_forward": round(result.tpf, 4)}
+
+
+def finish_reason(result) -> str:
+    return {"stop": "stop", "length": "length", "max_nfe": "length"}.get(result.finish_reason, "stop")
+
+
+def voting_info(result) -> dict:
+    return {} if result.vote_scores is None else {
+        "voting": {"answer": result.voted_answer, "final_answer": result.final_answer}}
+
+
+def build_apps(svc: Service) -> tuple[Starlette, Starlette]:
+    """(data app, admin app)."""
+
+    def route(path: str, methods: list[str], name: str):
+        def wrap(handler):
+            async def endpoint(request: HTTPRequest) -> Response:
+                t0 = time.perf_counter()
+                rid = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
+                try:
+                    response = await handler(request)
+                except HTTPError as e:
+                    response = error_response(e)
+                except Exception:  # a bug, not the client's fault: log it, say 500 without details
+                    log.exception("request %s on %s failed", rid, path)
+                    response = error_response(HTTPError(500, "internal error; see the server log",
+                                                        kind="server_error"))
+                response.headers["x-request-id"] = rid
+                svc.metrics.requests.labels(name, str(response.status_code)).inc()
+                log.info("request %s %s %s status=%d bytes_in=%s ms=%.1f", rid, request.method,
+                         path, response.status_code, request.headers.get("content-length", "-"),
+                         (time.perf_counter() - t0) * 1e3)
+                return response
+            return Route(path, endpoint, methods=methods, name=name)
+        return wrap
+
+    async def guarded(request: HTTPRequest) -> dict:
+        caller = svc.authorize(request)
+        svc.limit_rate(caller)
+        return await svc.read_json(request)
+
+    @route("/v1/completions", ["POST"], "completions")
+    async def completions(request):
+        body = await guarded(request)
+        decode, thinking = svc.decode_config(body, _COMMON | {"prompt"})
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        ids = svc.encode(prompt, "prompt")
+        return await respond(request, body, ids, decode, thinking, chat_format=False)
+
+    @route("/v1/chat/completions", ["POST"], "chat_completions")
+    async def chat_completions(request):
+        body = await guarded(request)
+        decode, thinking = svc.decode_config(body, _COMMON | {"messages"})
+        try:
+            text = chat.render(body.get("messages"), thinking)
+        except UserError as e:
+            raise HTTPError(400, str(e), param="messages") from None
+        return await respond(request, body, svc.encode(text, "messages"), decode, thinking,
+                             chat_format=True)
+
+    async def respond(request, body, ids, decode, thinking, chat_format: bool) -> Response:
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise HTTPError(400, "field 'stream' must be true or false", param="stream")
+        (req,) = await svc.start([ids], decode, thinking)
+        created = int(time.time())
+        kind = "chat.completion" if chat_format else "text_completion"
+        if not stream:
+            try:
+                result = await svc.collect(req)
+            finally:
+                req.cancelled = True  # no-op once done; frees the row if the client went away
+            choice = {"index": 0, "finish_reason": finish_reason(result), **voting_info(result)}
+            if chat_format:
+                choice["message"] = {"role": "assistant", "content": result.text}
+            else:
+                choice.update(text=result.text, logprobs=None)
+            return JSONResponse({"id": req.id, "object": kind, "created": created,
+                                 "model": svc.model_name, "choices": [choice],
+                                 "usage": usage(result)})
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+
+        def chunk(delta_text: str | None, reason: str | None, extra: dict | None = None) -> str:
+            if chat_format:
+                delta = {} if delta_text is None else {"content": delta_text}
+                choice = {"index": 0, "delta": delta, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": delta_text or "", "finish_reason": reason,
+                          "logprobs": None}
+            choice.update(extra or {})
+            obj = {"id": req.id, "object": kind + ".chunk" if chat_format else kind,
+                   "created": created, "model": svc.model_name, "choices": [choice]}
+            return f"data: {json.dumps(obj)}\n\n"
+
+        async def events():
+            try:
+                if chat_format:
+                    yield f"data: {json.dumps({'id': req.id, 'object': kind + '.chunk', 'created': created, 'model': svc.model_name, 'choices': [{'index': 0, 'delta': {'role': 'assistant', 'content': ''}, 'finish_reason': None}]})}\n\n"
+                while True:
+                    event = await req.events.get()
+                    if event[0] == "tokens":
+                        yield chunk(event[2], None)
+                    elif event[0] == "done":
+                        result = event[1]
+                        yield chunk(None if chat_format else "", finish_reason(result), voting_info(result))
+                        if include_usage:
+                            obj = {"id": req.id, "object": kind + ".chunk" if chat_format else kind,
+                                   "created": created, "model": svc.model_name, "choices": [],
+                                   "usage": usage(result)}
+                            yield f"data: {json.dumps(obj)}\n\n"
+                        break
+                    else:
+                        err = {"error": {"message": event[2], "type": "timeout" if event[1] == 504
+                                         else "server_error", "code": event[1]}}
+                        yield f"data: {json.dumps(err)}\n\n"
+                        break
+                yield "data: [DONE]\n\n"
+            finally:
+                req.cancelled = True  # a client that went away frees its row at the next step
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache"})
+
+    @route("/generate", ["POST"], "generate")
+    async def generate(request):
+        body = await guarded(request)
+        segments = body.get("segments")
+        if not isinstance(segments, list) or not segments:
+            raise HTTPError(400, "field 'segments' must be a non-empty list of strings", param="segments")
+        if len(segments) > svc.cfg.server.max_segments:
+            raise HTTPError(400, f"{len(segments)} segments; the limit is "
+                                 f"{svc.cfg.server.max_segments}", param="segments")
+        rest = {k: v for k, v in body.items() if k != "segments"}
+        decode, thinking = svc.decode_config(rest, {"max_new_tokens", "temperature", "top_p", "seed",
+                                                    "decoding", "thinking"})
+        ids = [svc.encode(s, f"segments[{i}]") for i, s in enumerate(segments)]
+        reqs = await svc.start(ids, decode, thinking)  # all segments batched together
+        try:
+            results = await asyncio.gather(*(svc.collect(r) for r in reqs))
+        finally:
+            for r in reqs:
+                r.cancelled = True
+        return JSONResponse({"output": [r.text for r in results], "segments": [
+            {"tokens": len(r.token_ids), "nfe": r.nfe, "tpf": round(r.tpf, 4),
+             "bubble_forwards": r.bubble_forwards, "finish_reason": r.finish_reason,
+             **voting_info(r)} for r in results]})
+
+    @route("/v1/models", ["GET"], "models")
+    async def models(request):
+        svc.authorize(request)
+        return JSONResponse({"object": "list", "data": [
+            {"id": svc.model_name, "object": "model", "created": 0, "owned_by": "mbd-jax"}]})
+
+    @route("/health", ["GET"], "health")
+    async def health(request):
+        return JSONResponse({"status": "ok"})
+
+    @route("/ready", ["GET"], "ready")
+    async def ready(request):
+        if svc.scheduler.draining:
+            raise HTTPError(503, "draining", kind="unavailable")
+        if svc.scheduler.error is not None or not svc.scheduler.ready:
+            raise HTTPError(503, "starting" if svc.scheduler.error is None else "engine failed",
+                            kind="unavailable")
+        return JSONResponse({"status": "ready"})
+
+    data = Starlette(routes=[completions, chat_completions, generate, models, health, ready])
+
+    # ------------------------------------------------------------ admin
+    @route("/metrics", ["GET"], "metrics")
+    async def metrics(request):
+        if not svc.cfg.monitoring.enabled:
+            raise HTTPError(404, "monitoring is disabled")
+        return Response(svc.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @route("/admin/profile", ["POST"], "profile")
+    async def profile(request):
+        body = await svc.read_json(request)
+        seconds = body.get("seconds")
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 < seconds <= 300:
+            raise HTTPError(400, "field 'seconds' must be a number in (0, 300]", param="seconds")
+        if svc.profiling:
+            raise HTTPError(409, "a profile is already being captured", kind="conflict")
+        svc.profiling = True
+        out = svc.profile_dir / time.strftime("%Y%m%d-%H%M%S")
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            jax.profiler.start_trace(str(out))
+            await asyncio.sleep(seconds)
+        finally:
+            jax.profiler.stop_trace()
+            svc.profiling = False
+        return JSONResponse({"directory": str(out.resolve()), "seconds": seconds})
+
+    admin = Starlette(routes=[metrics, profile, health])
+    return data, admin

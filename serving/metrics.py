@@ -1,0 +1,38 @@
+"""Prometheus metrics of the service (names prefixed mbd_), on their own registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from mbd_jax import compile_stats
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("mbd_requests", "HTTP requests by route and status",
+                                ["route", "status"], registry=r)
+        self.queue_wait = Histogram("mbd_queue_wait_seconds", "Time from arrival to a free row",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.first_block = Histogram("mbd_first_block_seconds", "Time from arrival to the first "
+                                     "committed block", buckets=LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram("mbd_request_seconds", "Time from arrival to the last token",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.generated_tokens = Counter("mbd_generated_tokens", "Tokens returned", registry=r)
+        self.nfe = Counter("mbd_decode_forwards", "Decode forwards spent on requests", registry=r)
+        self.tpf = Histogram("mbd_tokens_per_forward", "Tokens per forward of finished requests",
+                             buckets=(0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 32), registry=r)
+        self.queue_length = Gauge("mbd_queue_length", "Requests waiting for a row", registry=r)
+        self.busy_rows = Gauge("mbd_busy_rows", "Rows decoding a request", registry=r)
+        self.kv_usage = Gauge("mbd_kv_buffer_usage_ratio", "Share of KV buffer positions holding "
+                              "committed prefixes of live requests", registry=r)
+        self.empty = Counter("mbd_empty_responses", "Requests that returned no token", registry=r)
+        self.rate_limited = Counter("mbd_rate_limited", "Requests refused by the rate limit",
+                                    registry=r)
+        self.compilations = Gauge("mbd_compilations", "XLA compilations in this process", registry=r)
+        self.compilations.set_function(compile_stats.compiles)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

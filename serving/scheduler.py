@@ -1,0 +1,217 @@
+"""The engine thread: continuous batching over the Engine's rows, feeding per-request async streams.
+
+One thread owns the devices. Requests wait in two bounded queues (normal and thinking, the latter
+with its own row, token and time budgets); between decode calls the thread refills free rows
+(prefilling only those rows), frees the rows of finished, cancelled or timed-out requests, and
+hands every newly committed block to its request's asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from mbd_jax.config import DecodeConfig, ServeConfig
+from mbd_jax.engine import Engine, GenerationResult
+
+log = logging.getLogger("mbd_jax.serving")
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Draining(Exception):
+    pass
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation. Events on `events` (read by the HTTP handler, on its event loop):
+    ("tokens", ids, text_delta) for every committed block, then ("done", GenerationResult)
+    or ("error", http_status, message)."""
+
+    id: str
+    prompt: list[int]
+    decode: DecodeConfig
+    loop: asyncio.AbstractEventLoop
+    thinking: bool = False
+    arrived: float = dataclasses.field(default_factory=time.monotonic)
+    events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
+    cancelled: bool = False  # set by the HTTP side (client went away)
+    started: float | None = None
+    first_block: float | None = None
+    sent_tokens: int = 0
+    sent_text: str = ""
+
+    def emit(self, *event: Any) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, cfg: ServeConfig, metrics) -> None:
+        self.engine = engine
+        self.cfg = cfg
+        self.metrics = metrics
+        self.ready = False
+        self.draining = False
+        self._queues = {False: collections.deque(), True: collections.deque()}  # by thinking
+        self._rows: dict[int, Request] = {}
+        self._lock = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="mbd-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    # ------------------------------------------------------------ called from the HTTP side
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, requests: list[Request]) -> None:
+        """Queues requests (all or none): QueueFull past queue_size, Draining after SIGTERM."""
+        with self._lock:
+            if self.draining:
+                raise Draining()
+            waiting = sum(len(q) for q in self._queues.values())
+            if waiting + len(requests) > self.cfg.server.queue_size:
+                raise QueueFull()
+            for r in requests:
+                self._queues[r.thinking].append(r)
+            self.metrics.queue_length.set(waiting + len(requests))
+            self._lock.notify()
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._rows) + sum(len(q) for q in self._queues.values())
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify()
+        self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------ the engine thread
+    def _run(self) -> None:
+        try:
+            self.engine.warmup()
+            state = self.engine.empty_state()
+            self.ready = True
+            log.info("engine ready: %d rows, N_buf %d", self.engine.batch_size,
+                     self.engine.buffer_size)
+            while True:
+                with self._lock:
+                    while not self._stop and not self._rows and not any(self._queues.values()):
+                        self._lock.wait(timeout=0.5)
+                    if self._stop:
+                        break
+                state = self._expire_and_cancel(state)
+                state = self._admit(state)
+                if self._rows:
+                    state = self.engine.decode_until_finish(state, self.cfg.server.steps_per_call)
+                    self._publish(jax.device_get(state))
+        except BaseException as e:  # the service cannot go on without its engine: say so loudly
+            self.error = e
+            log.exception("engine thread failed")
+            for r in list(self._rows.values()) + [r for q in self._queues.values() for r in q]:
+                r.emit("error", 500, "the engine failed; see the server log")
+
+    def _budget(self, r: Request) -> float:
+        g = self.cfg.generation
+        return (g.thinking_timeout_ms if r.thinking else self.cfg.server.generation_timeout_ms) / 1e3
+
+    def _expire_and_cancel(self, state):
+        now = time.monotonic()
+        queue_timeout = self.cfg.server.queue_timeout_ms / 1e3
+        with self._lock:
+            for q in self._queues.values():
+                for r in [r for r in q if r.cancelled or now - r.arrived > queue_timeout]:
+                    q.remove(r)
+                    if not r.cancelled:
+                        r.emit("error", 504, f"request waited more than queue_timeout_ms "
+                                             f"({self.cfg.server.queue_timeout_ms}) for a free row")
+        gone = [row for row, r in self._rows.items()
+                if r.cancelled or now - (r.started or now) > self._budget(r)]
+        if gone:
+            state = self.engine.cancel(state, gone)
+            for row in gone:
+                r = self._rows.pop(row)
+                if not r.cancelled:
+                    r.emit("error", 504, f"generation took longer than its time budget "
+                                         f"({self._budget(r):.0f} s)")
+            self.metrics.busy_rows.set(len(self._rows))
+        return state
+
+    def _admit(self, state):
+        free = [i for i in range(self.engine.batch_size) if i not in self._rows]
+        if not free:
+            return state
+        thinking_rows = sum(r.thinking for r in self._rows.values())
+        picked: dict[int, Request] = {}
+        with self._lock:
+            for row in free:
+                q = self._queues[False]
+                if not q and thinking_rows < self.cfg.generation.thinking_max_rows:
+                    q = self._queues[True]
+                if not q:
+                    break
+                r = q.popleft()
+                thinking_rows += r.thinking
+                picked[row] = r
+            self.metrics.queue_length.set(sum(len(q) for q in self._queues.values()))
+        if not picked:
+            return state
+        now = time.monotonic()
+        for row, r in picked.items():
+            r.started = now
+            self._rows[row] = r
+            self.metrics.queue_wait.observe(now - r.arrived)
+        self.metrics.busy_rows.set(len(self._rows))
+        return self.engine.admit(state, {row: (r.prompt, r.decode) for row, r in picked.items()})
+
+    def _publish(self, host) -> None:
+        """Streams newly committed blocks; finishes done rows."""
+        blk = self.engine.cfg.block_size
+        tok = self.engine.tokenizer
+        now = time.monotonic()
+        used = 0
+        for row, r in list(self._rows.items()):
+            p0 = int(host.prompt_len[row])
+            used += int(host.cached_len[row])
+            done = bool(host.done[row])
+            if done:
+                ids = self.engine.output_ids(host, row)
+            else:  # committed or final (TO_CACHE) blocks never change
+                end = max(p0, int(host.cached_len[row]) + int(host.n_to_cache[row]) * blk)
+                ids = self.engine.output_ids(host, row, end)
+            if len(ids) > r.sent_tokens or done:
+                text = tok.decode(ids) if tok is not None else ""
+                if not done:  # hold back a partial multi-byte character
+                    text = text.rstrip("\ufffd")
+                delta_ids = ids[r.sent_tokens:]
+                delta_text = text[len(r.sent_text):] if text.startswith(r.sent_text) else ""
+                if delta_ids or delta_text:
+                    if r.first_block is None:
+                        r.first_block = now
+                        self.metrics.first_block.observe(now - r.arrived)
+                    r.emit("tokens", delta_ids, delta_text)
+                    r.sent_tokens, r.sent_text = len(ids), r.sent_text + delta_text
+            if done:
+                result: GenerationResult = self.engine.result_of(host, row, now - r.arrived,
+                                                                 r.decode)
+                self.metrics.latency.observe(now - r.arrived)
+                self.metrics.generated_tokens.inc(len(result.token_ids))
+                self.metrics.nfe.inc(result.nfe)
+                self.metrics.tpf.observe(result.tpf)
+                if not result.token_ids:
+                    self.metrics.empty.inc()
+                r.emit("done", result)
+                del self._rows[row]
+        self.metrics.busy_rows.set(len(self._rows))
+        self.metrics.kv_usage.set(used / (self.engine.batch_size * self.engine.capacity))

@@ -1,0 +1,108 @@
+"""`mbd-jax serve`: the data and admin apps on two uvicorn servers, the engine thread, SIGTERM drain.
+
+Startup: the HTTP ports open at once (/health 200, /ready 503) while the engine thread loads and
+compiles every shape; /ready turns 200 when it can serve. SIGTERM (or SIGINT): /ready turns 503
+and new requests get 503, in-flight ones finish (up to drain_timeout_s), then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import pathlib
+import signal
+
+import uvicorn
+
+from mbd_jax.checkpoint import load_model
+from mbd_jax.config import ServeConfig
+from mbd_jax.engine import Engine
+from mbd_jax.errors import UserError
+from serving.app import Service, build_apps
+from serving.metrics import Metrics
+from serving.scheduler import Scheduler
+
+log = logging.getLogger("mbd_jax.serving")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handlers: the service drains on SIGTERM itself."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def load_api_keys(path: str | None) -> list[str]:
+    keys = [k.strip() for k in os.environ.get("MBD_API_KEYS", "").split(",") if k.strip()]
+    if path:
+        try:
+            lines = pathlib.Path(path).read_text().splitlines()
+        except OSError as e:
+            raise UserError(f"--api-key-file {path}: {e.strerror}") from None
+        keys += [k.strip() for k in lines if k.strip() and not k.startswith("#")]
+    return keys
+
+
+def build_service(cfg: ServeConfig, api_keys: list[str], profile_dir: str = "profiles") -> Service:
+    model = load_model(cfg.model)
+    if model.tokenizer is None:
+        raise UserError(f"model {cfg.model}: the service needs a tokenizer")
+    if cfg.generation.block_size not in (None, model.cfg.block_size):
+        raise UserError(f"generation.block_size {cfg.generation.block_size} does not match the "
+                        f"model's block_size {model.cfg.block_size}")
+    s = cfg.server
+    limit = max(cfg.generation.max_new_tokens_limit, cfg.generation.thinking_max_new_tokens)
+    engine = Engine(model.cfg, model.params, batch_size=s.max_batch_size, buffer_size=s.buffer_size,
+                    prefill_chunk=min(s.prefill_chunk, model.cfg.max_seq_len),
+                    tokenizer=model.tokenizer,
+                    record_steps=min(cfg.decoding.max_nfe, 1024),
+                    record_len=min(limit, model.cfg.max_seq_len))
+    metrics = Metrics()
+    scheduler = Scheduler(engine, cfg, metrics)
+    return Service(cfg=cfg, scheduler=scheduler, metrics=metrics, model_name=model.cfg.name,
+                   api_keys=api_keys, profile_dir=pathlib.Path(profile_dir))
+
+
+async def _serve(svc: Service) -> None:
+    s = svc.cfg.server
+    data, admin = build_apps(svc)
+    level = svc.cfg.monitoring.log_level
+    servers = [_Server(uvicorn.Config(app, host=host, port=port, log_level=level, lifespan="off",
+                                      access_log=False, timeout_graceful_shutdown=5))
+               for app, host, port in ((data, s.host, s.port), (admin, s.admin_host, s.admin_port))]
+    loop = asyncio.get_running_loop()
+    draining = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, draining.set)
+
+    async def drain():
+        await draining.wait()
+        log.info("draining: %d requests in flight", svc.scheduler.in_flight())
+        svc.scheduler.draining = True
+        deadline = loop.time() + s.drain_timeout_s
+        while svc.scheduler.in_flight() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)  # let the last responses flush
+        for server in servers:
+            server.should_exit = True
+
+    svc.scheduler.start()
+    drainer = asyncio.create_task(drain())
+    await asyncio.gather(*(server.serve() for server in servers))
+    drainer.cancel()
+
+
+def serve(cfg: ServeConfig, api_keys: list[str]) -> int:
+    logging.basicConfig(level=cfg.monitoring.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not api_keys:
+        log.warning("no API keys configured (--api-key-file or MBD_API_KEYS): the service is open")
+    svc = build_service(cfg, api_keys)
+    try:
+        asyncio.run(_serve(svc))
+    finally:
+        svc.scheduler.stop()
+    return 0 if svc.scheduler.error is None else 1

@@ -1,0 +1,299 @@
+"""The HTTP service as clients see it: a real `mbd-jax serve` process on 127.0.0.1, the official
+`openai` client and httpx; outputs compared with offline generation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from mbd_jax import chat
+from mbd_jax.checkpoint import load_model
+from mbd_jax.config import DecodeConfig
+from mbd_jax.engine import Engine
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+KEY = "test-key-0123456789"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, tmp: pathlib.Path, keys: list[str], **server_overrides):
+        self.port, self.admin_port = free_port(), free_port()
+        cfg = {
+            "model": "tiny-random",
+            "generation": {"max_new_tokens": 24, "max_new_tokens_limit": 1024},
+            "decoding": {"buffer_size": 2},
+            "server": {"max_batch_size": 8, "buffer_size": 2, "prefill_chunk": 64,
+                       "steps_per_call": 8, "queue_size": 128, "max_body_bytes": 65536,
+                       "max_segments": 8, **server_overrides},
+            "monitoring": {"log_level": "warning"},
+        }
+        (tmp / "serve.yaml").write_text(yaml.safe_dump(cfg))
+        (tmp / "keys.txt").write_text("\n".join(keys) + "\n")
+        self.log = open(tmp / "server.log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mbd_jax", "serve", "--config", str(tmp / "serve.yaml"),
+             "--port", str(self.port), "--admin-port", str(self.admin_port),
+             "--api-key-file", str(tmp / "keys.txt")],
+            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+            env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.admin = f"http://127.0.0.1:{self.admin_port}"
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, (tmp / "server.log").read_text()
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("server not ready")
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.admin + "/metrics", timeout=10).text
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                key = s.name + (json.dumps(s.labels, sort_keys=True) if s.labels else "")
+                out[key] = s.value
+        return out
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("serve"), [KEY, "other-key"])
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """Offline generation with the server's model and decoding defaults."""
+    m = load_model("tiny-random")
+    engine = Engine(m.cfg, m.params, batch_size=8, buffer_size=2, prefill_chunk=64,
+                    tokenizer=m.tokenizer)
+
+    def run(prompts_ids, **decode):
+        return engine.generate(prompts_ids, DecodeConfig(**{"buffer_size": 2, **decode}))
+
+    run.tokenizer = m.tokenizer
+    return run
+
+
+def client(server, key=KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def test_openai_client_matches_offline_generate(server, offline):
+    c = client(server)
+    tok = offline.tokenizer
+    prompt = "What is 12 + 30?"
+    (want,) = offline([tok.encode(prompt)], max_new_tokens=20, temperature=0.7, seed=5)
+    r = c.completions.create(model="tiny-random", prompt=prompt, max_tokens=20, temperature=0.7, seed=5)
+    assert r.choices[0].text == want.text
+    assert r.usage.completion_tokens == len(want.token_ids)
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="tiny-random", prompt=prompt, max_tokens=20, temperature=0.7, seed=5, stream=True)
+        if ch.choices)
+    assert streamed == want.text
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Sort: 3 1 2"}]
+    (want,) = offline([tok.encode(chat.render(messages))], max_new_tokens=30)
+    r = c.chat.completions.create(model="tiny-random", messages=messages, max_tokens=30)
+    assert r.choices[0].message.content == want.text
+    assert r.choices[0].finish_reason == "length"
+    chunks = list(c.chat.completions.create(model="tiny-random", messages=messages, max_tokens=30,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want.text
+    assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+    assert len([ch for ch in chunks if ch.choices and ch.choices[0].delta.content]) >= 2  # per block
+    assert [m.id for m in c.models.list().data] == ["tiny-random"]
+
+
+def test_usage_carries_nfe_and_tpf_and_generate_batches_segments(server, offline):
+    h = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(server.url + "/v1/completions", headers=h, timeout=60,
+                   json={"prompt": "Remember abc = 12.", "max_tokens": 16,
+                         "decoding": {"buffer_size": 1, "policy": "fixed_steps", "steps_per_block": 2}})
+    assert r.status_code == 200, r.text
+    u = r.json()["usage"]
+    assert u["completion_tokens"] == 16 and u["nfe"] >= 4 and u["tokens_per_forward"] > 0
+    segments = ["Sort: 5 4", "What is 1 + 1?", "hello"]
+    r = httpx.post(server.url + "/generate", headers=h, timeout=60,
+                   json={"segments": segments, "max_new_tokens": 12})
+    assert r.status_code == 200, r.text
+    want = offline([offline.tokenizer.encode(s) for s in segments], max_new_tokens=12)
+    assert r.json()["output"] == [w.text for w in want]
+    assert [s["nfe"] for s in r.json()["segments"]] == [w.nfe for w in want]
+
+
+def test_64_concurrent_requests_equal_offline(server, offline):
+    tok = offline.tokenizer
+    prompts = [("Sort: " + " ".join(str((i * 7 + j) % 50) for j in range(i % 9 + 1))) for i in range(64)]
+    lengths = [8 + (i * 5) % 40 for i in range(64)]
+
+    async def one(c, p, n):
+        r = await c.post("/v1/completions", json={"prompt": p, "max_tokens": n})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=300,
+                                     headers={"Authorization": f"Bearer {KEY}"}) as c:
+            return await asyncio.gather(*(one(c, p, n) for p, n in zip(prompts, lengths)))
+
+    got = asyncio.run(main())
+    for p, n, text in zip(prompts, lengths, got):
+        (want,) = offline([tok.encode(p)], max_new_tokens=n)
+        assert text == want.text
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": 12}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, "max_new_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, "max_new_tokens"),
+    ("/v1/completions", {"prompt": "hi", "decoding": {"policy": "magic"}}, "policy"),
+    ("/v1/completions", {"prompt": "hi", "decoding": {"accept_threshold": 1.5}}, "accept_threshold"),
+    ("/v1/completions", {"prompt": "hi", "decoding": {"buffer_size": 9}}, "decoding"),
+    ("/v1/completions", {"prompt": "hi", "decoding": {"nope": 1}}, "decoding"),
+    ("/v1/completions", {"prompt": "hi", "n": 3}, "n"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 7}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": "hi", "frobnicate": True}, "frobnicate"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+    ("/generate", {"segments": []}, "segments"),
+    ("/generate", {"segments": ["a"] * 9}, "segments"),
+    ("/generate", {"segments": ["ok", ""]}, "segments[1]"),
+])
+def test_bad_input_is_a_4xx_naming_the_field(server, path, body, param):
+    r = httpx.post(server.url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert 400 <= r.status_code < 500, r.text
+    err = r.json()["error"]
+    assert err["param"] == param or param in err["message"], err
+
+
+def test_malformed_and_oversize_bodies(server):
+    h = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    r = httpx.post(server.url + "/v1/completions", content=b"{not json", headers=h, timeout=30)
+    assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", content=b"[1, 2]", headers=h, timeout=30)
+    assert r.status_code == 400
+    big = json.dumps({"prompt": "x" * 70000}).encode()
+    r = httpx.post(server.url + "/v1/completions", content=big, headers=h, timeout=30)
+    assert r.status_code == 413
+    # Nothing accepted before was lost: the server still serves.
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4},
+                   headers=h, timeout=30)
+    assert r.status_code == 200
+
+
+def test_auth_and_admin_isolation(server):
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"}, timeout=30)
+    assert r.status_code == 401
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"}, timeout=30,
+                   headers={"Authorization": "Bearer wrong-key"})
+    assert r.status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        client(server, key="nope").models.list()
+    assert httpx.get(server.url + "/metrics", timeout=10).status_code == 404
+    assert httpx.post(server.url + "/admin/profile", json={"seconds": 1}, timeout=10).status_code == 404
+    assert httpx.get(server.admin + "/health", timeout=10).status_code == 200
+
+
+def test_metrics_parse_and_move(server):
+    before = server.metrics()
+    h = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 8},
+                   headers=h, timeout=60)
+    assert r.status_code == 200
+    after = server.metrics()
+    key = 'mbd_requests_total{"route": "completions", "status": "200"}'
+    assert after[key] == before.get(key, 0) + 1
+    assert after["mbd_generated_tokens_total"] >= before["mbd_generated_tokens_total"] + 8
+    assert after["mbd_request_seconds_count"] == before["mbd_request_seconds_count"] + 1
+    assert after["mbd_compilations"] > 0 and after["mbd_compilations"] == before["mbd_compilations"]
+    for name in ("mbd_queue_length", "mbd_busy_rows", "mbd_kv_buffer_usage_ratio",
+                 "mbd_tokens_per_forward_count", "mbd_first_block_seconds_count"):
+        assert name in after
+
+
+def test_closed_stream_frees_its_row(server):
+    before = server.metrics()
+    body = {"prompt": "hi", "max_tokens": 1000, "stream": True,
+            "decoding": {"policy": "fixed_steps", "steps_per_block": 8, "max_nfe": 1024}}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"text": ""' not in line:
+                break  # the first block arrived: hang up
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and server.metrics()["mbd_busy_rows"] != 0:
+        time.sleep(0.1)
+    after = server.metrics()
+    assert after["mbd_busy_rows"] == 0
+    # It was stopped, not run to the end: no finished request and no 1000 tokens were counted.
+    assert after["mbd_request_seconds_count"] == before["mbd_request_seconds_count"]
+    assert after["mbd_generated_tokens_total"] < before["mbd_generated_tokens_total"] + 1000
+
+
+def test_rate_limit_and_sigterm_drain(tmp_path):
+    keys = [f"key-{i}" for i in range(8)]
+    srv = Server(tmp_path, keys, rate_limit_per_s=0.1, rate_limit_burst=2)
+    try:
+        h = {"Authorization": "Bearer key-0"}
+        codes = [httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4},
+                            headers=h, timeout=60).status_code for _ in range(3)]
+        assert codes == [200, 200, 429]
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi"}, headers=h, timeout=60)
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+
+        async def load():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
+                tasks = [asyncio.create_task(c.post(
+                    "/v1/completions", json={"prompt": f"Sort: {i} 3 1", "max_tokens": 600,
+                                             "decoding": {"policy": "fixed_steps", "steps_per_block": 8}},
+                    headers={"Authorization": f"Bearer key-{i}"})) for i in range(1, 8)]
+                await asyncio.sleep(1.0)  # all accepted and running
+                srv.proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.3)
+                ready = await c.get("/ready")
+                return await asyncio.gather(*tasks), ready.status_code
+
+        responses, ready_status = asyncio.run(load())
+        assert ready_status == 503
+        assert [r.status_code for r in responses] == [200] * 7
+        assert all(r.json()["usage"]["completion_tokens"] == 600 for r in responses)
+        # The drain waited for them: they were still running when SIGTERM arrived.
+        assert all(r.json()["usage"]["nfe"] >= 600 for r in responses)
+        assert srv.proc.wait(timeout=60) == 0
+    finally:
+        srv.stop()
