@@ -75,12 +75,14 @@ class Scheduler:
         self._thread.start()
 
     def submit(self, requests: list[Request]) -> None:
-        """Queues requests (all or none): QueueFull past queue_size, Draining after SIGTERM."""
+        """Queues requests (all or none). QueueFull when, beyond the free rows, more than
+        queue_size would wait; Draining after SIGTERM."""
         with self._lock:
             if self.draining:
                 raise Draining()
             waiting = sum(len(q) for q in self._queues.values())
-            if waiting + len(requests) > self.cfg.server.queue_size:
+            free_rows = self.engine.batch_size - len(self._rows)
+            if waiting + len(requests) > self.cfg.server.queue_size + free_rows:
                 raise QueueFull()
             for r in requests:
                 self._queues[r.thinking].append(r)
@@ -141,7 +143,8 @@ class Scheduler:
         if gone:
             state = self.engine.cancel(state, gone)
             for row in gone:
-                r = self._rows.pop(row)
+                with self._lock:
+                    r = self._rows.pop(row)
                 if not r.cancelled:
                     r.emit("error", 504, f"generation took longer than its time budget "
                                          f"({self._budget(r):.0f} s)")
@@ -164,13 +167,13 @@ class Scheduler:
                 r = q.popleft()
                 thinking_rows += r.thinking
                 picked[row] = r
+                self._rows[row] = r  # under the lock: submit() counts waiting + busy together
             self.metrics.queue_length.set(sum(len(q) for q in self._queues.values()))
         if not picked:
             return state
         now = time.monotonic()
         for row, r in picked.items():
             r.started = now
-            self._rows[row] = r
             self.metrics.queue_wait.observe(now - r.arrived)
         self.metrics.busy_rows.set(len(self._rows))
         return self.engine.admit(state, {row: (r.prompt, r.decode) for row, r in picked.items()})
@@ -212,6 +215,7 @@ class Scheduler:
                 if not result.token_ids:
                     self.metrics.empty.inc()
                 r.emit("done", result)
-                del self._rows[row]
+                with self._lock:
+                    del self._rows[row]
         self.metrics.busy_rows.set(len(self._rows))
         self.metrics.kv_usage.set(used / (self.engine.batch_size * self.engine.capacity))
