@@ -1,8 +1,12 @@
-"""Chat prompt rendering for models without a template of their own (the tiny presets).
+"""Chat prompt rendering, one template per model family, with a thinking on/off switch.
 
-Role markers as single special tokens: `<|system|>`, `<|user|>`, `<|assistant|>`; thinking on
-opens a `<think>` section after the assistant marker (Qwen convention). Model-specific templates
-(LLaDA2, Qwen) come with checkpoint conversion.
+- `plain` (the tiny presets): `<|role|> content` lines, then `<|assistant|>`; thinking on opens
+  `<think>`.
+- `qwen` (SDAR / Qwen3): `<|im_start|>role\ncontent<|im_end|>\n` ... `<|im_start|>assistant\n`;
+  thinking off closes an empty think section (`<think>\n\n</think>\n\n`), the Qwen3 convention.
+- `llada2` (LLaDA2 / Ling): `<role>SYSTEM</role>...<|role_end|><role>HUMAN</role>...<|role_end|>`
+  `<role>ASSISTANT</role>`; thinking is switched by the system prompt's first line,
+  `detailed thinking on` / `detailed thinking off`.
 """
 
 from __future__ import annotations
@@ -10,14 +14,31 @@ from __future__ import annotations
 from mbd_jax.errors import UserError
 
 ROLES = ("system", "user", "assistant")
+TEMPLATES = ("plain", "qwen", "llada2")
 
 
-def render(messages: list[dict], thinking: bool = False) -> str:
-    """messages: [{"role": ..., "content": str}, ...] -> the prompt text ending with the
-    assistant marker (and `<think>` when thinking)."""
+def render(messages: list[dict], thinking: bool = False, template: str = "plain") -> str:
+    """messages: [{"role": ..., "content": str}, ...] -> the prompt text, ending where the
+    assistant's reply begins."""
+    _check(messages)
+    if template == "qwen":
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return text + "<|im_start|>assistant\n" + ("" if thinking else "<think>\n\n</think>\n\n")
+    if template == "llada2":
+        system = [m["content"] for m in messages if m["role"] == "system"]
+        switch = "detailed thinking " + ("on" if thinking else "off")
+        text = f"<role>SYSTEM</role>{chr(10).join([switch, *system])}<|role_end|>"
+        names = {"user": "HUMAN", "assistant": "ASSISTANT"}
+        text += "".join(f"<role>{names[m['role']]}</role>{m['content']}<|role_end|>"
+                        for m in messages if m["role"] != "system")
+        return text + "<role>ASSISTANT</role>"
+    parts = [f"<|{m['role']}|> {m['content']}\n" for m in messages]
+    return "".join(parts) + "<|assistant|>" + (" <think>" if thinking else "")
+
+
+def _check(messages: list[dict]) -> None:
     if not isinstance(messages, list) or not messages:
         raise UserError("messages: must be a non-empty list of {role, content}")
-    parts = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise UserError(f"messages[{i}]: must be an object with 'role' and 'content'")
@@ -26,6 +47,3 @@ def render(messages: list[dict], thinking: bool = False) -> str:
             raise UserError(f"messages[{i}].role: must be one of {', '.join(ROLES)}, got {role!r}")
         if not isinstance(content, str):
             raise UserError(f"messages[{i}].content: must be a string")
-        parts.append(f"<|{role}|> {content}\n")
-    parts.append("<|assistant|>" + (" <think>" if thinking else ""))
-    return "".join(parts)

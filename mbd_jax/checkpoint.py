@@ -52,8 +52,9 @@ def _restore_params(path: pathlib.Path, cfg: ModelConfig) -> Any:
     target = jax.eval_shape(lambda: init_params(cfg))
     try:
         return ocp.StandardCheckpointer().restore(path / "params", target)
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        raise ConfigError(f"model {path}: params/ does not match config.yaml: {e}") from None
+    except Exception as e:  # orbax/tensorstore raise many types for a damaged checkpoint
+        raise ConfigError(f"model {path}: params/ cannot be restored against config.yaml "
+                          f"({type(e).__name__}: {str(e)[:300]})") from None
 
 
 def load_model(model: str, *, with_weights: bool = True) -> LoadedModel:
@@ -66,6 +67,10 @@ def load_model(model: str, *, with_weights: bool = True) -> LoadedModel:
         if cfg.init == "random":
             params = init_params(cfg)
         elif cfg.init == "checkpoint":
+            if (config_path.parent / "manifest.json").is_file():  # converted: check every file
+                from mbd_jax.convert import verify_manifest
+
+                verify_manifest(config_path.parent)
             params = _restore_params(config_path.parent, cfg)
         else:
             raise ConfigError(

@@ -145,6 +145,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(cfg, load_api_keys(args.api_key_file))
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from mbd_jax.convert import convert
+
+    manifest = convert(args.src, args.dst, family=args.family, dtype=args.dtype,
+                       mask_token_id=args.mask_token_id, block_size=args.block_size)
+    print(json.dumps({k: v for k, v in manifest.items() if k != "files"}))
+    return 0
+
+
+def add_convert_args(c: argparse.ArgumentParser) -> None:
+    c.add_argument("--src", required=True, help="Hugging Face checkpoint directory")
+    c.add_argument("--dst", required=True, help="output model directory")
+    c.add_argument("--family", default="auto", choices=["auto", "llada2_moe", "sdar", "sdar_moe"])
+    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    c.add_argument("--mask-token-id", type=int, help="default: from config.json or the tokenizer")
+    c.add_argument("--block-size", type=int, default=32, help="the model's diffusion block size")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mbd-jax", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -168,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--admin-port", type=int)
     s.add_argument("--api-key-file", help="one API key per line (also: MBD_API_KEYS=k1,k2)")
     s.set_defaults(func=cmd_serve)
+
+    c = sub.add_parser("convert", help="convert a Hugging Face / PyTorch checkpoint")
+    add_convert_args(c)
+    c.set_defaults(func=cmd_convert)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)

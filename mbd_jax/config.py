@@ -159,6 +159,7 @@ class ModelConfig:
     seed: int = 0
     init_std: float = 0.02
     tokenizer: str | None = None  # path, relative to the YAML file's folder, or null
+    chat_template: Literal["plain", "qwen", "llada2"] = "plain"  # see mbd_jax/chat.py
 
     def validate(self, where: str = "model") -> None:
         for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",

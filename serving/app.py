@@ -280,7 +280,8 @@ def build_apps(svc: Service) -> tuple[Starlette, Starlette]:
         body = await guarded(request)
         decode, thinking = svc.decode_config(body, _COMMON | {"messages"})
         try:
-            text = chat.render(body.get("messages"), thinking)
+            text = chat.render(body.get("messages"), thinking,
+                               svc.scheduler.engine.cfg.chat_template)
         except UserError as e:
             raise HTTPError(400, str(e), param="messages") from None
         return await respond(request, body, svc.encode(text, "messages"), decode, thinking,

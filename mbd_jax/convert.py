@@ -1,0 +1,406 @@
+"""Hugging Face / PyTorch checkpoint -> mbd-jax model directory (config.yaml, params/, tokenizer,
+manifest.json).
+
+Families: `llada2_moe` (LLaDA2: fused query_key_value, sigmoid grouped routing with expert_bias,
+shared experts), `sdar` (Qwen3 architecture), `sdar_moe` (Qwen3-MoE). Tensors are read one at a
+time (safetensors `safe_open`, or one `.bin` shard at a time) and written into preallocated
+parameter arrays of the target dtype, so host memory holds about one copy of the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import pathlib
+import re
+import shutil
+import time
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from mbd_jax.config import ModelConfig
+from mbd_jax.errors import ConfigError, UserError
+
+CONVERTER_VERSION = "1"
+FAMILIES = ("llada2_moe", "sdar", "sdar_moe")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "chat_template.jinja", "generation_config.json")
+MASK_TOKENS = ("<|mask|>", "<|MASK|>", "[MASK]", "<mask>")
+
+
+# ---------------------------------------------------------------------------- config
+def detect_family(hf: dict) -> str:
+    model_type = hf.get("model_type", "")
+    arch = " ".join(hf.get("architectures") or [])
+    if model_type == "llada2_moe" or "LLaDA2" in arch:
+        return "llada2_moe"
+    if model_type in ("qwen3_moe", "sdar_moe") or "Qwen3Moe" in arch or "SDARMoe" in arch:
+        return "sdar_moe"
+    if model_type in ("qwen3", "sdar") or "Qwen3" in arch or "SDAR" in arch:
+        return "sdar"
+    raise UserError(f"config.json: cannot tell the family from model_type {model_type!r} / "
+                    f"architectures {arch!r}; pass --family one of {', '.join(FAMILIES)}")
+
+
+def model_config(hf: dict, family: str, name: str, dtype: str, mask_token_id: int,
+                 eos_ids: list[int], block_size: int) -> ModelConfig:
+    def need(key: str):
+        if key not in hf:
+            raise UserError(f"config.json: missing '{key}' (needed for family {family})")
+        return hf[key]
+
+    # transformers >= 5 nests rope settings under rope_parameters and says num_local_experts.
+    rope = hf.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") not in ("default", None):
+        raise UserError(f"config.json: rope_type {rope['rope_type']!r} is not supported (default only)")
+    theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+    partial = hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    if "num_experts" not in hf and "num_local_experts" in hf:
+        hf = {**hf, "num_experts": hf["num_local_experts"]}
+    d, heads = need("hidden_size"), need("num_attention_heads")
+    common = dict(
+        name=name, vocab_size=need("vocab_size"), hidden_size=d,
+        num_layers=need("num_hidden_layers"), num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or d // heads,
+        intermediate_size=need("intermediate_size"),
+        rope_theta=float(theta),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_seq_len=int(hf.get("max_position_embeddings", 4096)) // block_size * block_size,
+        block_size=block_size, mask_token_id=mask_token_id, eos_token_ids=tuple(eos_ids),
+        pad_token_id=hf.get("pad_token_id") if isinstance(hf.get("pad_token_id"), int) else eos_ids[0],
+        param_dtype=dtype, compute_dtype=dtype, init="checkpoint", qk_norm=True,
+        attention_chunk=512,
+    )
+    if family == "sdar":
+        return ModelConfig(**common, num_experts=0, chat_template="qwen")
+    if family == "sdar_moe":
+        sparse_step = hf.get("decoder_sparse_step", 1)
+        if sparse_step != 1 or hf.get("mlp_only_layers"):
+            raise UserError("config.json: only all-MoE Qwen3-MoE layouts are supported "
+                            "(decoder_sparse_step 1, no mlp_only_layers)")
+        return ModelConfig(**common, num_experts=need("num_experts"),
+                           num_experts_per_tok=need("num_experts_per_tok"),
+                           moe_intermediate_size=need("moe_intermediate_size"),
+                           router="softmax_topk", norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                           moe_impl="ragged", chat_template="qwen")
+    return ModelConfig(
+        **{**common, "qk_norm": bool(hf.get("use_qk_norm", True))}, chat_template="llada2",
+        first_k_dense=int(hf.get("first_k_dense_replace", 0)),
+        num_experts=need("num_experts"), num_experts_per_tok=need("num_experts_per_tok"),
+        moe_intermediate_size=need("moe_intermediate_size"),
+        num_shared_experts=int(hf.get("num_shared_experts", 0) or 0), router="sigmoid_grouped",
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)), n_group=int(hf.get("n_group", 1) or 1),
+        topk_group=int(hf.get("topk_group", 1) or 1),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        rotary_fraction=float(partial), moe_impl="ragged")
+
+
+# ---------------------------------------------------------------------------- tensors
+class TensorSource:
+    """Reads named tensors from *.safetensors (single or sharded) or PyTorch *.bin files."""
+
+    def __init__(self, src: pathlib.Path):
+        self.src = src
+        st = sorted(src.glob("*.safetensors"))
+        bins = sorted(p for p in src.glob("*.bin") if p.name != "training_args.bin")
+        index = next((src / n for n in ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+                      if (src / n).is_file()), None)
+        if index is not None:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+            missing = [f for f in files if not (src / f).is_file()]
+            if missing:
+                raise UserError(f"{index.name} names shard {missing[0]}, which is not in {src}")
+            self.files = [src / f for f in files]
+        elif st:
+            self.files = st
+        elif bins:
+            self.files = bins
+        else:
+            raise UserError(f"{src}: no *.safetensors or *.bin weights found")
+        self.names: dict[str, pathlib.Path] = {}
+        for f in self.files:
+            for n in self._keys(f):
+                self.names[n] = f
+        self._bin_cache: tuple[pathlib.Path, dict] | None = None
+
+    @staticmethod
+    def _keys(f: pathlib.Path) -> list[str]:
+        if f.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            try:
+                with safe_open(str(f), framework="numpy") as h:
+                    return list(h.keys())
+            except Exception as e:  # safetensors raises its own error types
+                raise UserError(f"{f.name}: not a readable safetensors file ({e})") from None
+        return list(_torch_load(f).keys())
+
+    def get(self, name: str) -> np.ndarray:
+        f = self.names.get(name)
+        if f is None:
+            raise UserError(f"checkpoint is missing tensor '{name}'")
+        if f.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(f), framework="pt") as h:  # pt: bfloat16 tensors load too
+                return _to_numpy(h.get_tensor(name))
+        if self._bin_cache is None or self._bin_cache[0] != f:  # one .bin shard in memory at a time
+            self._bin_cache = (f, _torch_load(f))
+        return _to_numpy(self._bin_cache[1][name])
+
+    def nbytes(self) -> int:
+        return sum(f.stat().st_size for f in self.files)
+
+
+def _torch_load(f: pathlib.Path) -> dict:
+    try:
+        import torch
+    except ImportError:
+        raise UserError(f"{f.name}: reading PyTorch .bin files needs torch (pip install "
+                        "'mbd-jax[convert]')") from None
+    return torch.load(str(f), map_location="cpu", weights_only=True)
+
+
+def _to_numpy(t) -> np.ndarray:
+    """A torch tensor as numpy without a copy (bfloat16 as ml_dtypes.bfloat16, not upcast)."""
+    import ml_dtypes
+    import torch
+
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+# ---------------------------------------------------------------------------- name mapping
+Assign = Callable[[np.ndarray], None]
+
+
+def _plan(cfg: ModelConfig, family: str, names: set[str]) -> Iterator[tuple[str, tuple, Callable]]:
+    """(hf tensor name, our param path, transform hf array -> our array) for every tensor."""
+    d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    llada = family == "llada2_moe"
+    yield ("model.word_embeddings.weight" if llada else "model.embed_tokens.weight"), ("embed",), None
+    yield "model.norm.weight", ("final_norm",), None
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight", ("lm_head",), np.transpose
+    q_t = lambda w: w.T.reshape(d, h, dh)  # noqa: E731  [H*Dh, D] -> [D, H, Dh]
+    kv_t = lambda w: w.T.reshape(d, k, dh)  # noqa: E731
+    o_t = lambda w: w.T.reshape(h, dh, d)  # noqa: E731  [D, H*Dh] -> [H, Dh, D]
+    for i in range(cfg.num_layers):
+        p, ours = f"model.layers.{i}", f"layer_{i}"
+        yield f"{p}.input_layernorm.weight", (ours, "input_norm"), None
+        yield f"{p}.post_attention_layernorm.weight", (ours, "post_attn_norm"), None
+        if llada:
+            a = f"{p}.attention"
+            qkv = f"{a}.query_key_value.weight"
+            yield qkv, (ours, "attn", "q_proj"), lambda w: q_t(w[: h * dh])
+            yield qkv, (ours, "attn", "k_proj"), lambda w: kv_t(w[h * dh: (h + k) * dh])
+            yield qkv, (ours, "attn", "v_proj"), lambda w: kv_t(w[(h + k) * dh:])
+            yield f"{a}.dense.weight", (ours, "attn", "o_proj"), o_t
+            if cfg.qk_norm:
+                yield f"{a}.query_layernorm.weight", (ours, "attn", "q_norm"), None
+                yield f"{a}.key_layernorm.weight", (ours, "attn", "k_norm"), None
+        else:
+            a = f"{p}.self_attn"
+            yield f"{a}.q_proj.weight", (ours, "attn", "q_proj"), q_t
+            yield f"{a}.k_proj.weight", (ours, "attn", "k_proj"), kv_t
+            yield f"{a}.v_proj.weight", (ours, "attn", "v_proj"), kv_t
+            yield f"{a}.o_proj.weight", (ours, "attn", "o_proj"), o_t
+            yield f"{a}.q_norm.weight", (ours, "attn", "q_norm"), None
+            yield f"{a}.k_norm.weight", (ours, "attn", "k_norm"), None
+        m = f"{p}.mlp"
+        if not cfg.is_moe_layer(i):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                yield f"{m}.{proj}.weight", (ours, "mlp", proj), np.transpose
+            continue
+        yield f"{m}.gate.weight", (ours, "moe", "router"), np.transpose
+        if cfg.router == "sigmoid_grouped":
+            yield f"{m}.gate.expert_bias", (ours, "moe", "expert_bias"), None
+        yield from _experts(cfg, m, ours, names)
+        if cfg.num_shared_experts:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                yield f"{m}.shared_experts.{proj}.weight", (ours, "moe", "shared", proj), np.transpose
+
+
+def _experts(cfg: ModelConfig, m: str, ours: str, names: set[str]):
+    """Per-expert tensors, stacked [E, ...] tensors, or fused gate_up (transformers >= 5)."""
+    f = cfg.moe_intermediate_size
+    if f"{m}.experts.gate_up_proj" in names:  # [E, 2F, D] (gate then up), down [E, D, F]
+        yield f"{m}.experts.gate_up_proj", (ours, "moe", "experts_gate"), lambda w: np.swapaxes(w[:, :f], 1, 2)
+        yield f"{m}.experts.gate_up_proj", (ours, "moe", "experts_up"), lambda w: np.swapaxes(w[:, f:], 1, 2)
+        yield f"{m}.experts.down_proj", (ours, "moe", "experts_down"), lambda w: np.swapaxes(w, 1, 2)
+        return
+    if f"{m}.experts.gate_proj" in names:  # stacked nn.Linear weights: [E, F, D], down [E, D, F]
+        for proj, ours_name in (("gate_proj", "experts_gate"), ("up_proj", "experts_up"),
+                                ("down_proj", "experts_down")):
+            yield f"{m}.experts.{proj}", (ours, "moe", ours_name), lambda w: np.swapaxes(w, 1, 2)
+        return
+    for e in range(cfg.num_experts):
+        for proj, ours_name in (("gate_proj", "experts_gate"), ("up_proj", "experts_up"),
+                                ("down_proj", "experts_down")):
+            yield f"{m}.experts.{e}.{proj}.weight", (ours, "moe", ours_name, e), np.transpose
+
+
+# ---------------------------------------------------------------------------- driver
+def _sha256(path: pathlib.Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _special_ids(src: pathlib.Path, hf: dict, mask_token_id: int | None) -> tuple[int, list[int]]:
+    tok = None
+    if (src / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    if mask_token_id is None:
+        mask_token_id = hf.get("mask_token_id")
+        for t in MASK_TOKENS:
+            if mask_token_id is None and tok is not None and tok.token_to_id(t) is not None:
+                mask_token_id = tok.token_to_id(t)
+    if mask_token_id is None:
+        raise UserError("no mask token id in config.json or the tokenizer; pass --mask-token-id N")
+    eos = hf.get("eos_token_id")
+    if eos is None and (src / "generation_config.json").is_file():
+        eos = json.loads((src / "generation_config.json").read_text()).get("eos_token_id")
+    if eos is None:
+        raise UserError("config.json has no eos_token_id")
+    return int(mask_token_id), [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
+def convert(src: str | pathlib.Path, dst: str | pathlib.Path, *, family: str = "auto",
+            dtype: str = "bfloat16", mask_token_id: int | None = None, block_size: int = 32,
+            progress: bool = True) -> dict[str, Any]:
+    """Converts a Hugging Face checkpoint directory; returns the manifest."""
+    import ml_dtypes
+    from tqdm import tqdm
+
+    from mbd_jax.checkpoint import save_model
+
+    src, dst = pathlib.Path(src), pathlib.Path(dst)
+    if not (src / "config.json").is_file():
+        raise UserError(f"--src {src}: no config.json")
+    hf = json.loads((src / "config.json").read_text())
+    family = detect_family(hf) if family == "auto" else family
+    if family not in FAMILIES:
+        raise UserError(f"--family {family!r}: expected auto or one of {', '.join(FAMILIES)}")
+    mask_id, eos_ids = _special_ids(src, hf, mask_token_id)
+    try:
+        cfg = model_config(hf, family, src.name, dtype, mask_id, eos_ids, block_size)
+        cfg.validate("converted config")
+    except ConfigError as e:
+        raise UserError(f"config.json does not give a valid model: {e}") from None
+    source = TensorSource(src)
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+
+    # Preallocate every parameter (shapes from the model definition), then fill tensor by tensor.
+    import jax
+
+    from mbd_jax.model.transformer import init_params
+
+    shapes = jax.eval_shape(lambda: init_params(cfg))
+    params = jax.tree.map(lambda s: np.empty(s.shape, np_dtype), shapes)
+    seen = {k: False for k in _paths(params)}
+    plan = list(_plan(cfg, family, set(source.names)))
+    used = set()
+    t0 = time.perf_counter()
+    total = sum(a.nbytes for a in jax.tree.leaves(params))  # bytes written, in the target dtype
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress)
+    last_name, last = None, None
+    for hf_name, path, fn in plan:
+        if hf_name != last_name:  # the fused qkv is read once for q, k and v
+            last_name, last = hf_name, source.get(hf_name)
+            used.add(hf_name)
+        target_path, index = (path[:-1], path[-1]) if isinstance(path[-1], int) else (path, None)
+        target = _get(params, target_path)
+        want = target.shape if index is None else target.shape[1:]
+        try:
+            value = last if fn is None else fn(last)
+        except ValueError:  # a reshape of the wrong number of elements
+            value = None
+        if value is None or value.shape != want:
+            raise UserError(f"tensor '{hf_name}' has shape {list(last.shape)}, which does not give "
+                            f"{'/'.join(map(str, path))} {list(want)} (config.json and the weights "
+                            "disagree)")
+        bar.update(value.size * np_dtype.itemsize)
+        if index is None:
+            target[...] = value
+            seen[target_path] = True
+        else:
+            target[index] = value
+            seen[target_path] = True
+    bar.close()
+    missing = [k for k, v in seen.items() if not v]
+    if missing:
+        raise UserError(f"no checkpoint tensor fills parameter {'/'.join(missing[0])}")
+    unused = sorted(set(source.names) - used - {n for n in source.names if "rotary_emb" in n})
+    if unused:
+        raise UserError(f"checkpoint tensor '{unused[0]}' (and {len(unused) - 1} more) is not used "
+                        f"by family {family}: wrong --family?")
+    read_s = time.perf_counter() - t0
+
+    dst.mkdir(parents=True, exist_ok=True)
+    tokenizer_name = None
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+            if name == "tokenizer.json":
+                tokenizer_name = name
+    cfg = dataclasses.replace(cfg, tokenizer=tokenizer_name)
+    _to_device_in_place(params)  # orbax would otherwise copy every numpy leaf at once
+    save_model(dst, cfg, params)
+    manifest = {
+        "converter_version": CONVERTER_VERSION, "source": str(src.resolve()), "family": family,
+        "dtype": dtype, "parameters": int(sum(a.size for a in jax.tree.leaves(params))),
+        "seconds_reading": round(read_s, 3), "source_bytes": source.nbytes(),
+        "files": {str(p.relative_to(dst)): _sha256(p) for p in sorted(dst.rglob("*"))
+                  if p.is_file() and p.name != "manifest.json"},
+    }
+    (dst / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def _paths(tree: dict, prefix: tuple = ()) -> Iterator[tuple]:
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _paths(v, prefix + (k,))
+        else:
+            yield prefix + (k,)
+
+
+def _to_device_in_place(tree: dict) -> None:
+    """Replaces numpy leaves by device arrays one at a time, freeing each numpy copy as it goes."""
+    import jax
+
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            _to_device_in_place(v)
+        else:
+            tree[k] = jax.device_put(v)
+
+
+def _get(tree: dict, path: tuple):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def verify_manifest(model_dir: pathlib.Path) -> None:
+    """Every file the manifest lists exists with its sha256; raises naming the first bad file."""
+    manifest = json.loads((model_dir / "manifest.json").read_text())
+    for rel, digest in manifest["files"].items():
+        p = model_dir / rel
+        if not p.is_file():
+            raise ConfigError(f"model {model_dir}: file {rel} listed in manifest.json is missing")
+        if _sha256(p) != digest:
+            raise ConfigError(f"model {model_dir}: file {rel} does not match its checksum in "
+                              "manifest.json (corrupt or truncated)")
