@@ -66,6 +66,17 @@ def prefill_buckets(block_size: int, prefill_chunk: int) -> list[int]:
     return sizes + [prefill_chunk]
 
 
+@dataclasses.dataclass
+class Admission:
+    """Requests being admitted into rows: their fresh state and how far their prefill got."""
+
+    rows: np.ndarray  # [B] bool, the admitted rows
+    prompts: list[np.ndarray]
+    full_len: np.ndarray  # [B] full prompt blocks to prefill per row
+    fresh: DecodeState
+    start: int = 0  # prompt positions [0, start) are prefilled
+
+
 def _merge_rows(old: DecodeState, new: DecodeState, rows: jax.Array) -> DecodeState:
     """Row b of the result is new's where rows[b], else old's (every leaf has batch first)."""
     def pick(a, b):
@@ -101,16 +112,19 @@ class Engine:
         # (seconds, decode steps) of the latest decode calls, for benches and metrics
         self.call_log: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)
         window = buffer_size * cfg.block_size
-        # Past every real position (max_seq_len + one window) lies a scratch region where rows that
-        # are not being prefilled write their share of a prefill call.
-        self.capacity = kvlib.kv_capacity(cfg, window + self.prefill_chunk)
-        self.scratch_offset = self.capacity - self.prefill_chunk
+        # Past every real position (max_seq_len + one window) lies a scratch region: rows that are
+        # not being prefilled write their share of a prefill call there, and free or finished rows
+        # their share of a decode step.
+        scratch = max(self.prefill_chunk, window)
+        self.capacity = kvlib.kv_capacity(cfg, window + scratch)
+        self.scratch_offset = self.capacity - scratch
         self.kv = kvlib.allocate(cfg, batch_size, self.capacity)
         apply_fn = Transformer(cfg).apply
         self._prefill = jax.jit(functools.partial(loop.prefill, apply_fn=apply_fn),
                                 static_argnames=("scratch_offset",), donate_argnames=("kv",))
         decode = functools.partial(loop.decode_loop, apply_fn=apply_fn, cfg=cfg,
-                                   n_slots=buffer_size, debug=debug)
+                                   n_slots=buffer_size, scratch_offset=self.scratch_offset,
+                                   debug=debug)
         self._decode = jax.jit(functools.partial(decode, stop_on_finish=False),
                                donate_argnames=("state", "kv"))
         # Continuous batching: return as soon as a row finishes, so the host can refill it.
@@ -168,25 +182,33 @@ class Engine:
                                           self.buffer_size, self.cfg.mask_token_id,
                                           self._row_params(prompts, decodes), self.record)
 
+    def _full_len(self, prompts: list[np.ndarray], rows: np.ndarray) -> np.ndarray:
+        blk = self.cfg.block_size
+        return np.array([len(p) // blk * blk if rows[i] else 0 for i, p in enumerate(prompts)],
+                        np.int32)
+
+    def _prefill_chunk(self, prompts: list[np.ndarray], full_len: np.ndarray, rows: np.ndarray,
+                       start: int) -> int:
+        """Writes the KV of prompt positions [start, start + T) of the selected rows (T the
+        smallest bucket covering what is left, at most prefill_chunk). Returns T."""
+        end = int(full_len.max())
+        t = next(s for s in prefill_buckets(self.cfg.block_size, self.prefill_chunk)
+                 if s >= min(end - start, self.prefill_chunk))
+        tokens = np.full((self.batch_size, t), self.cfg.pad_token_id, np.int32)
+        for i, p in enumerate(prompts):
+            seg = p[start: min(start + t, full_len[i])]
+            tokens[i, : len(seg)] = seg
+        self.kv = self._prefill(self.params, self.kv, jax.device_put(tokens), np.int32(start),
+                                jax.device_put(full_len), jax.device_put(rows & (full_len > start)),
+                                scratch_offset=self.scratch_offset)
+        return t
+
     def _prefill_rows(self, prompts: list[np.ndarray], rows: np.ndarray) -> None:
         """Writes the KV of every full prompt block of the selected rows, chunk by chunk."""
-        blk = self.cfg.block_size
-        b = self.batch_size
-        full_len = np.zeros(b, np.int32)
-        for i, p in enumerate(prompts):
-            full_len[i] = len(p) // blk * blk if rows[i] else 0
-        buckets = prefill_buckets(blk, self.prefill_chunk)
-        start, end = 0, int(full_len.max())
-        while start < end:
-            t = next(s for s in buckets if s >= min(end - start, self.prefill_chunk))
-            tokens = np.full((b, t), self.cfg.pad_token_id, np.int32)
-            for i, p in enumerate(prompts):
-                seg = p[start: min(start + t, full_len[i])]
-                tokens[i, : len(seg)] = seg
-            self.kv = self._prefill(self.params, self.kv, jax.device_put(tokens), np.int32(start),
-                                    jax.device_put(full_len), jax.device_put(rows & (full_len > start)),
-                                    scratch_offset=self.scratch_offset)
-            start += t
+        full_len = self._full_len(prompts, rows)
+        start = 0
+        while start < int(full_len.max()):
+            start += self._prefill_chunk(prompts, full_len, rows, start)
 
     # ---------------------------------------------------------------- public API
     def generate(self, prompts: Sequence[Sequence[int]],
@@ -291,10 +313,10 @@ class Engine:
         state = self.initial_state(prompts, [DecodeConfig()] * self.batch_size)
         return state.replace(done=jax.device_put(np.ones(self.batch_size, bool)))
 
-    def admit(self, state: DecodeState, requests: dict[int, tuple[Sequence[int], DecodeConfig]]
-              ) -> DecodeState:
-        """Starts requests in free rows {row: (prompt ids, decode)} while the other rows keep their
-        state and KV: only the admitted rows are prefilled, then their fresh state is merged in."""
+    def begin_admit(self, requests: dict[int, tuple[Sequence[int], DecodeConfig]]) -> Admission:
+        """Starts admitting requests into free rows {row: (prompt ids, decode)}: validates them and
+        builds their fresh state. Then `prefill_step` until it returns True, then `finish_admit`.
+        Decode calls may run between the steps: the other rows keep their state and KV."""
         b = self.batch_size
         rows = np.zeros(b, bool)
         prompts = [np.array([self.cfg.pad_token_id], np.int32)] * b
@@ -303,9 +325,26 @@ class Engine:
             self.check_prompt(prompt)
             self.check_decode(decode)
             rows[row], prompts[row], decodes[row] = True, np.asarray(prompt, np.int32), decode
-        fresh = self.initial_state(prompts, decodes)
-        self._prefill_rows(prompts, rows)
-        return self._merge(state, fresh, jax.device_put(rows))
+        return Admission(rows=rows, prompts=prompts, full_len=self._full_len(prompts, rows),
+                         fresh=self.initial_state(prompts, decodes))
+
+    def prefill_step(self, adm: Admission) -> bool:
+        """One prefill chunk of an admission; True once all its prompt blocks are written."""
+        if adm.start < int(adm.full_len.max()):
+            adm.start += self._prefill_chunk(adm.prompts, adm.full_len, adm.rows, adm.start)
+        return adm.start >= int(adm.full_len.max())
+
+    def finish_admit(self, state: DecodeState, adm: Admission) -> DecodeState:
+        """Merges the admitted rows' fresh state into the running state (one compiled program)."""
+        return self._merge(state, adm.fresh, jax.device_put(adm.rows))
+
+    def admit(self, state: DecodeState, requests: dict[int, tuple[Sequence[int], DecodeConfig]]
+              ) -> DecodeState:
+        """Starts requests in free rows at once (begin_admit, every prefill step, finish_admit)."""
+        adm = self.begin_admit(requests)
+        while not self.prefill_step(adm):
+            pass
+        return self.finish_admit(state, adm)
 
     def cancel(self, state: DecodeState, rows: Sequence[int]) -> DecodeState:
         """Frees rows (a client went away): they stop at the next step."""

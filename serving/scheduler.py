@@ -64,7 +64,8 @@ class Scheduler:
         self.ready = False
         self.draining = False
         self._queues = {False: collections.deque(), True: collections.deque()}  # by thinking
-        self._rows: dict[int, Request] = {}
+        self._rows: dict[int, Request] = {}  # busy rows: decoding, or being prefilled
+        self._prefilling: set[int] = set()  # rows of the admission in progress
         self._lock = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="mbd-engine", daemon=True)
@@ -107,6 +108,7 @@ class Scheduler:
             self.ready = True
             log.info("engine ready: %d rows, N_buf %d", self.engine.batch_size,
                      self.engine.buffer_size)
+            admission = None
             while True:
                 with self._lock:
                     while not self._stop and not self._rows and not any(self._queues.values()):
@@ -114,8 +116,15 @@ class Scheduler:
                     if self._stop:
                         break
                 state = self._expire_and_cancel(state)
-                state = self._admit(state)
-                if self._rows:
+                # Prefill one chunk per iteration, so a long prompt does not stall running rows
+                # for more than one chunk between their decode calls.
+                if admission is None:
+                    admission = self._begin_admission()
+                if admission is not None and self.engine.prefill_step(admission):
+                    state = self.engine.finish_admit(state, admission)
+                    self._prefilling.clear()
+                    admission = None
+                if len(self._rows) > len(self._prefilling):
                     state = self.engine.decode_until_finish(state, self.cfg.server.steps_per_call)
                     self._publish(jax.device_get(state))
         except BaseException as e:  # the service cannot go on without its engine: say so loudly
@@ -138,8 +147,8 @@ class Scheduler:
                     if not r.cancelled:
                         r.emit("error", 504, f"request waited more than queue_timeout_ms "
                                              f"({self.cfg.server.queue_timeout_ms}) for a free row")
-        gone = [row for row, r in self._rows.items()
-                if r.cancelled or now - (r.started or now) > self._budget(r)]
+        gone = [row for row, r in self._rows.items() if row not in self._prefilling
+                and (r.cancelled or now - (r.started or now) > self._budget(r))]
         if gone:
             state = self.engine.cancel(state, gone)
             for row in gone:
@@ -151,10 +160,11 @@ class Scheduler:
             self.metrics.busy_rows.set(len(self._rows))
         return state
 
-    def _admit(self, state):
+    def _begin_admission(self):
+        """Moves waiting requests into free rows and starts their prefill (None if nothing to do)."""
         free = [i for i in range(self.engine.batch_size) if i not in self._rows]
         if not free:
-            return state
+            return None
         thinking_rows = sum(r.thinking for r in self._rows.values())
         picked: dict[int, Request] = {}
         with self._lock:
@@ -170,13 +180,14 @@ class Scheduler:
                 self._rows[row] = r  # under the lock: submit() counts waiting + busy together
             self.metrics.queue_length.set(sum(len(q) for q in self._queues.values()))
         if not picked:
-            return state
+            return None
         now = time.monotonic()
         for row, r in picked.items():
             r.started = now
             self.metrics.queue_wait.observe(now - r.arrived)
         self.metrics.busy_rows.set(len(self._rows))
-        return self.engine.admit(state, {row: (r.prompt, r.decode) for row, r in picked.items()})
+        self._prefilling = set(picked)
+        return self.engine.begin_admit({row: (r.prompt, r.decode) for row, r in picked.items()})
 
     def _publish(self, host) -> None:
         """Streams newly committed blocks; finishes done rows."""
@@ -185,6 +196,8 @@ class Scheduler:
         now = time.monotonic()
         used = 0
         for row, r in list(self._rows.items()):
+            if row in self._prefilling:  # not merged yet: the device state is the old occupant's
+                continue
             p0 = int(host.prompt_len[row])
             used += int(host.cached_len[row])
             done = bool(host.done[row])

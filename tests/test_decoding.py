@@ -141,3 +141,25 @@ def test_bad_prompts_name_the_limit(engine4):
     a = engine4.generate([PROMPTS[0]], DecodeConfig(max_new_tokens=8))
     b = engine4.generate([PROMPTS[0]], DecodeConfig(max_new_tokens=8))
     assert a[0].token_ids == b[0].token_ids and len(a[0].token_ids) == 8
+
+
+def test_prefill_chunks_interleave_with_running_rows(cfg, params):
+    """Row 0 keeps decoding between the prefill chunks of a long prompt admitted into row 1 (a free
+    row's decode writes go to the scratch region, never over the prompt being prefilled); both
+    rows end exactly as in an offline batch."""
+    eng = Engine(cfg, params, batch_size=2, buffer_size=2, prefill_chunk=16)
+    long_prompt = [10 + i % 400 for i in range(93)]  # 88 positions of full blocks: 6 chunks
+    d = DecodeConfig(max_new_tokens=24)
+    want = eng.generate([PROMPTS[0], long_prompt], d)
+    state = eng.admit(eng.empty_state(), {0: (PROMPTS[0], d)})
+    admission = eng.begin_admit({1: (long_prompt, d)})
+    interleaved = 0
+    while not eng.prefill_step(admission):
+        state = eng.decode_until_finish(state, 2)
+        interleaved += 1
+    state = eng.finish_admit(state, admission)
+    while not np.all(jax.device_get(state.done)):
+        state = eng.decode_until_finish(state, 8)
+    got = eng.results(state, 2, 0.0)
+    assert interleaved >= 4
+    assert [r.token_ids for r in got] == [w.token_ids for w in want]

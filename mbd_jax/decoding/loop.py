@@ -36,16 +36,20 @@ def prefill(params: Any, kv: KVCache, tokens: jax.Array, start: jax.Array, full_
 
 
 def decode_step(params: Any, state: DecodeState, kv: KVCache, *, apply_fn: ApplyFn,
-                cfg: ModelConfig, n_slots: int, debug: bool = False) -> tuple[DecodeState, KVCache]:
+                cfg: ModelConfig, n_slots: int, scratch_offset: int,
+                debug: bool = False) -> tuple[DecodeState, KVCache]:
     """One forward over every row's buffer (N * blk tokens), unmasking, and the bookkeeping.
-    With `debug`, the Block Buffer invariants are checked after the step (state.violations)."""
+    Finished and free rows write their K/V to the scratch region, so a row whose next request is
+    being prefilled between decode calls is never overwritten. With `debug`, the Block Buffer
+    invariants are checked after the step (state.violations)."""
     blk = cfg.block_size
     w = n_slots * blk
     p = state.params
     win = block_buffer.window(state, w)  # [B, W]
     positions = state.cached_len[:, None] + jnp.arange(w, dtype=jnp.int32)
     visible = jnp.maximum(state.cached_len + state.n_valid * blk, 1)
-    logits, kv = apply_fn({"params": params}, win, positions, kv, state.cached_len, visible)
+    write_offset = jnp.where(state.done, scratch_offset, state.cached_len)
+    logits, kv = apply_fn({"params": params}, win, positions, kv, write_offset, visible)
 
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(p.seed, state.nfe)
     token, confidence, greedy = policy.predict(logits, cfg.mask_token_id, p.temperature, p.top_p,
@@ -82,8 +86,8 @@ def decode_step(params: Any, state: DecodeState, kv: KVCache, *, apply_fn: Apply
 
 
 def decode_loop(params: Any, state: DecodeState, kv: KVCache, max_steps: jax.Array, *,
-                apply_fn: ApplyFn, cfg: ModelConfig, n_slots: int, stop_on_finish: bool,
-                debug: bool = False) -> tuple[DecodeState, KVCache, jax.Array]:
+                apply_fn: ApplyFn, cfg: ModelConfig, n_slots: int, scratch_offset: int,
+                stop_on_finish: bool, debug: bool = False) -> tuple[DecodeState, KVCache, jax.Array]:
     """Runs decode steps on device until every row is done, `max_steps` forwards ran, or (with
     stop_on_finish) some row finished, so the host can refill it. Returns the steps run."""
 
@@ -94,7 +98,7 @@ def decode_loop(params: Any, state: DecodeState, kv: KVCache, max_steps: jax.Arr
     def body(carry):
         st, cache, steps, _ = carry
         new_st, cache = decode_step(params, st, cache, apply_fn=apply_fn, cfg=cfg, n_slots=n_slots,
-                                    debug=debug)
+                                    scratch_offset=scratch_offset, debug=debug)
         event = jnp.any(new_st.done & ~st.done) if stop_on_finish else jnp.asarray(False)
         return new_st, cache, steps + 1, event
 
