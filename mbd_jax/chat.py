@@ -14,7 +14,6 @@ from __future__ import annotations
 from mbd_jax.errors import UserError
 
 ROLES = ("system", "user", "assistant")
-TEMPLATES = ("plain", "qwen", "llada2")
 
 
 def render(messages: list[dict], thinking: bool = False, template: str = "plain") -> str:

@@ -11,7 +11,6 @@ import pathlib
 from typing import Any
 
 import jax
-import numpy as np
 import yaml
 
 from mbd_jax.config import ModelConfig, from_dict, load_yaml, resolve_model_path
@@ -83,7 +82,3 @@ def load_model(model: str, *, with_weights: bool = True) -> LoadedModel:
             raise ConfigError(f"model {model}: tokenizer has {tokenizer.vocab_size} tokens but "
                               f"vocab_size is {cfg.vocab_size}")
     return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, path=config_path)
-
-
-def count_params(params: Any) -> int:
-    return int(sum(np.prod(a.shape) for a in jax.tree.leaves(params)))

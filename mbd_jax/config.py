@@ -234,14 +234,6 @@ class ModelConfig:
         return self.num_params() - n_moe * unused
 
 
-@dataclasses.dataclass(frozen=True)
-class LoadedConfig:
-    """A model config plus where it came from (to resolve relative paths)."""
-
-    model: ModelConfig
-    source: pathlib.Path
-
-
 def load_yaml(path: pathlib.Path) -> Any:
     try:
         text = path.read_text()

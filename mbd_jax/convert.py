@@ -13,7 +13,6 @@ import dataclasses
 import hashlib
 import json
 import pathlib
-import re
 import shutil
 import time
 from typing import Any, Callable, Iterator

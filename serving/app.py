@@ -176,8 +176,7 @@ class Service:
             d = from_dict(DecodeConfig, base, where="decoding")
             self.scheduler.engine.check_decode(d)
         except UserError as e:
-            field = str(e).split("'")[1] if "'" in str(e) else "decoding"
-            raise HTTPError(400, str(e), param=field) from None
+            raise HTTPError(400, str(e), param=getattr(e, "field", None) or "decoding") from None
         return d, thinking
 
     def encode(self, text: Any, param: str) -> list[int]:

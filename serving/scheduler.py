@@ -17,7 +17,6 @@ import time
 from typing import Any
 
 import jax
-import numpy as np
 
 from mbd_jax.config import DecodeConfig, ServeConfig
 from mbd_jax.engine import Engine, GenerationResult

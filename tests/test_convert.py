@@ -223,7 +223,7 @@ def test_llada2_moe_layer_matches_transformers_deepseek_v3(llada):
 def np_llada_attention(sd, layer, x, c):
     """NumPy reference: fused QKV split, per-head RMSNorm, partial rotary (first half of each
     head, half-split pairs), GQA, block-causal softmax, dense output projection."""
-    d, h, k, dh = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    h, k, dh = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     a = f"model.layers.{layer}.attention"
     qkv = x @ sd[f"{a}.query_key_value.weight"].numpy().T.astype(np.float64)
     t = x.shape[0]

@@ -58,3 +58,21 @@ def test_write_rows_writes_each_row_at_its_offset():
     out = np.asarray(layers.write_rows(buf, new, jnp.array([0, 5])))[..., 0]
     assert out[0].tolist() == [1, 1, 1] + [0] * 13
     assert out[1].tolist() == [0] * 5 + [2, 2, 2] + [0] * 8
+
+
+def test_every_parameter_carries_logical_axes(cfg, params):
+    """The sharding rules map these names to mesh axes: every parameter has one name per dim,
+    experts are on 'expert', heads on 'heads' / 'kv_heads', the vocab on 'vocab'."""
+    from flax.traverse_util import flatten_dict
+
+    from mbd_jax.model.transformer import param_logical_axes
+
+    axes = flatten_dict(param_logical_axes(cfg))
+    shapes = flatten_dict(params)
+    assert axes.keys() == shapes.keys()
+    for path, spec in axes.items():
+        assert len(tuple(spec)) == shapes[path].ndim, path
+    assert tuple(axes[("layer_1", "moe", "experts_gate")]) == ("expert", "embed", "mlp")
+    assert tuple(axes[("layer_0", "attn", "q_proj")]) == ("embed", "heads", "head_dim")
+    assert tuple(axes[("layer_0", "attn", "k_proj")]) == ("embed", "kv_heads", "head_dim")
+    assert tuple(axes[("embed",)]) == ("vocab", "embed")

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-FINISH_NONE, FINISH_STOP, FINISH_LENGTH, FINISH_MAX_NFE = 0, 1, 2, 3
+FINISH_NONE, FINISH_STOP, FINISH_LENGTH, FINISH_MAX_NFE = 0, 1, 2, 3  # state.finish values
 FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_MAX_NFE: "max_nfe"}
 NO_POSITION = 2**30
 
