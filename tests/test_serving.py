@@ -347,3 +347,29 @@ def test_rate_limit_queue_full_and_sigterm_drain(tmp_path):
         assert srv.proc.wait(timeout=60) == 0
     finally:
         srv.stop()
+
+
+def test_deadlines_give_504(tmp_path):
+    """One row: a long request exceeds generation_timeout_ms (504) while a second one, stuck in the
+    queue behind it, exceeds queue_timeout_ms (504); the server keeps serving afterwards."""
+    srv = Server(tmp_path, [KEY], max_batch_size=1, queue_timeout_ms=60, generation_timeout_ms=200)
+    try:
+        slow = {"prompt": "hi", "max_tokens": 1000,
+                "decoding": {"buffer_size": 1, "policy": "fixed_steps", "steps_per_block": 8}}
+
+        async def main():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60,
+                                         headers={"Authorization": f"Bearer {KEY}"}) as c:
+                first = asyncio.create_task(c.post("/v1/completions", json=slow))
+                await asyncio.sleep(0.05)
+                second = await c.post("/v1/completions", json={"prompt": "yo", "max_tokens": 4})
+                return await first, second
+
+        first, second = asyncio.run(main())
+        assert first.status_code == 504 and "time budget" in first.json()["error"]["message"]
+        assert second.status_code == 504 and "queue_timeout_ms" in second.json()["error"]["message"]
+        ok = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4},
+                        headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        assert ok.status_code == 200
+    finally:
+        srv.stop()
