@@ -125,7 +125,7 @@ class Scheduler:
                     admission = None
                 if len(self._rows) > len(self._prefilling):
                     state = self.engine.decode_until_finish(state, self.cfg.server.steps_per_call)
-                    self._publish(jax.device_get(state))
+                    self._publish(self._fetch(state))
         except BaseException as e:  # the service cannot go on without its engine: say so loudly
             self.error = e
             log.exception("engine thread failed")
@@ -187,6 +187,15 @@ class Scheduler:
         self.metrics.busy_rows.set(len(self._rows))
         self._prefilling = set(picked)
         return self.engine.begin_admit({row: (r.prompt, r.decode) for row, r in picked.items()})
+
+    def _fetch(self, state):
+        """The state on the host, without the voting trajectories ([B, steps, len]: large) unless
+        a finished row asked for a vote."""
+        host = jax.device_get(state.replace(trajectory=None))
+        if any(host.done[row] and r.decode.voting is not None for row, r in self._rows.items()
+               if row not in self._prefilling):
+            host = host.replace(trajectory=jax.device_get(state.trajectory))
+        return host
 
     def _publish(self, host) -> None:
         """Streams newly committed blocks; finishes done rows."""

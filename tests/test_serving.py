@@ -373,3 +373,13 @@ def test_deadlines_give_504(tmp_path):
         assert ok.status_code == 200
     finally:
         srv.stop()
+
+
+def test_voting_through_the_service(server):
+    r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=60, json={"prompt": "What is 12 + 30?", "max_tokens": 16,
+                                     "decoding": {"voting": {"extractor": "regex", "pattern": r"(\w+)"}}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["voting"]["answer"] is not None
+    assert choice["voting"]["final_answer"] is not None
