@@ -53,14 +53,18 @@ def peak_memory_mb() -> float:
 
 def bench_decode(cfg: ModelConfig, params: Any, *, batch: int, prompt_len: int, new_tokens: int,
                  buffer_sizes: list[int], decode: DecodeConfig, repeats: int, seed: int = 0,
-                 prefill_chunk: int = 256) -> dict[str, Any]:
+                 prefill_chunk: int = 256, moe_impls: list[str] | None = None) -> dict[str, Any]:
+    """Every (expert path, buffer size) on the same prompts, in this process."""
     rng = np.random.default_rng(seed)
     banned = {cfg.mask_token_id, *cfg.eos_token_ids}
     allowed = np.array([i for i in range(cfg.vocab_size) if i not in banned], np.int32)
     prompts = [rng.choice(allowed, prompt_len).tolist() for _ in range(batch)]
     gflops = matmul_gflops()
     rows = []
-    for n_buf in buffer_sizes:
+    variants = [(impl, n) for impl in (moe_impls or [cfg.moe_impl]) for n in buffer_sizes]
+    base_cfg = cfg
+    for impl, n_buf in variants:
+        cfg = dataclasses.replace(base_cfg, moe_impl=impl)
         d = dataclasses.replace(decode, buffer_size=n_buf, max_new_tokens=new_tokens)
         c0, s0 = compile_stats.compiles(), compile_stats.compile_seconds()
         t0 = time.perf_counter()
@@ -87,6 +91,7 @@ def bench_decode(cfg: ModelConfig, params: Any, *, batch: int, prompt_len: int, 
         context = prompt_len + new_tokens / 2  # mean visible keys over the run
         flops = step_flops(cfg, batch, n_buf * cfg.block_size, context)
         rows.append({
+            "moe_impl": impl,
             "buffer_size": n_buf,
             "tokens_per_s": statistics.median(tok_s),
             "tpf": statistics.median(tpf),
@@ -105,7 +110,7 @@ def bench_decode(cfg: ModelConfig, params: Any, *, batch: int, prompt_len: int, 
             "kv_mb": engine.kv.nbytes() / 2**20,
         })
     return {
-        "model": cfg.name, "params": cfg.num_params(), "active_params": cfg.active_params_per_token(),
+        "model": base_cfg.name, "params": base_cfg.num_params(), "active_params": base_cfg.active_params_per_token(),
         "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
         "decode": dataclasses.asdict(decode), "device": str(jax.devices()[0].device_kind),
         "backend": jax.default_backend(), "matmul_gflops": gflops, "rows": rows,
@@ -117,7 +122,7 @@ def format_table(report: dict[str, Any]) -> str:
             f"{report['active_params'] / 1e6:.1f}M active), batch {report['batch']}, prompt "
             f"{report['prompt_len']}, new {report['new_tokens']}, {report['backend']}, matmul "
             f"{report['matmul_gflops']:.0f} GFLOP/s")
-    cols = ["buffer_size", "tokens_per_s", "tpf", "bubble_share", "step_ms", "compile_s",
+    cols = ["moe_impl", "buffer_size", "tokens_per_s", "tpf", "bubble_share", "step_ms", "compile_s",
             "achieved_gflops", "utilisation", "peak_memory_mb", "compiles_after_warmup"]
     lines = [head, " ".join(f"{c:>14}" for c in cols)]
     for r in report["rows"]:

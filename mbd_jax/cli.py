@@ -126,9 +126,13 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         raise UserError(f"--buffer-size {args.buffer_size_list!r}: expected integers like 1,2,4") from None
     model = load_model(args.model, with_weights=not args.random_weights)
     params = init_params(model.cfg) if args.random_weights else model.params
+    impls = args.moe_impl.split(",") if args.moe_impl else None
+    for impl in impls or []:
+        if impl not in ("dense", "ragged", "tiled"):
+            raise UserError(f"--moe-impl {impl!r}: expected dense, ragged or tiled (comma-separated)")
     report = bench_decode(model.cfg, params, batch=args.batch, prompt_len=args.prompt_len,
                           new_tokens=args.new_tokens, buffer_sizes=sizes, decode=decode,
-                          repeats=args.repeats)
+                          repeats=args.repeats, moe_impls=impls)
     print(format_table(report), file=sys.stderr)
     if args.json:
         print(json.dumps(report))
@@ -201,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt-len", type=int, default=64)
     d.add_argument("--new-tokens", type=int, default=64)
     d.add_argument("--repeats", type=int, default=3)
+    d.add_argument("--moe-impl", help="expert paths to compare, e.g. dense,tiled (default: the model's)")
     d.add_argument("--json", action="store_true")
     _add_decode_flags(d, buffer_size_list=True)
     d.set_defaults(func=cmd_bench_decode)

@@ -21,7 +21,7 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODEL_PRESET_DIR = REPO_ROOT / "configs" / "models"
 
 RouterType = Literal["softmax_topk", "sigmoid_grouped"]
-MoeImpl = Literal["dense", "ragged"]
+MoeImpl = Literal["dense", "ragged", "tiled"]
 AttentionImpl = Literal["chunked", "dense"]
 DType = Literal["float32", "bfloat16", "float16"]
 

@@ -72,7 +72,8 @@ def test_sigmoid_grouped_matches_numpy(n_group, topk_group):
     assert any(set(a) != set(b) for a, b in zip(ref_ids.tolist(), no_bias_ids.tolist()))
 
 
-def test_ragged_dot_experts_equal_dense():
+@pytest.mark.parametrize("impl", ["ragged", "tiled"])
+def test_grouped_experts_equal_dense(impl):
     """Tolerance 1e-5 absolute in float32 (outputs are O(1)); only the summation order differs."""
     rng = np.random.default_rng(2)
     n, d, f, e, k = 96, 32, 24, 8, 3
@@ -81,7 +82,7 @@ def test_ragged_dot_experts_equal_dense():
     wd = jnp.asarray(rng.normal(size=(e, f, d)) * 0.2, jnp.float32)
     ids, ws = moe.route_softmax_topk(jnp.asarray(rng.normal(size=(n, e)), jnp.float32), k, True)
     dense = moe.experts_dense(x, ids, ws, wg, wu, wd)
-    ragged = jax.jit(moe.experts_ragged)(x, ids, ws, wg, wu, wd)
+    ragged = jax.jit(moe.EXPERT_IMPLS[impl])(x, ids, ws, wg, wu, wd)
     assert float(jnp.max(jnp.abs(dense))) > 0.1
     np.testing.assert_allclose(np.asarray(ragged), np.asarray(dense), atol=1e-5, rtol=0)
     # And against a per-token NumPy loop.
@@ -94,3 +95,16 @@ def test_ragged_dot_experts_equal_dense():
             h = silu(xs[t] @ np.asarray(wg[ex])) * (xs[t] @ np.asarray(wu[ex]))
             ref[t] += w_[t, j] * (h @ np.asarray(wd[ex]))
     np.testing.assert_allclose(np.asarray(dense), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_tiled_experts_with_idle_and_crowded_experts():
+    """Most experts get no token, one gets most copies (several tiles): still equal to dense."""
+    rng = np.random.default_rng(5)
+    n, d, f, e = 50, 16, 12, 8
+    x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+    wg, wu = (jnp.asarray(rng.normal(size=(e, d, f)) * 0.3, jnp.float32) for _ in range(2))
+    wd = jnp.asarray(rng.normal(size=(e, f, d)) * 0.3, jnp.float32)
+    ids = jnp.asarray(np.stack([np.full(n, 6), np.where(np.arange(n) < 3, 1, 2)], 1), jnp.int32)
+    ws = jnp.asarray(rng.uniform(0.1, 1.0, (n, 2)), jnp.float32)
+    np.testing.assert_allclose(np.asarray(moe.experts_tiled(x, ids, ws, wg, wu, wd, tile=8)),
+                               np.asarray(moe.experts_dense(x, ids, ws, wg, wu, wd)), atol=1e-5)
