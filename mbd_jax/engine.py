@@ -122,14 +122,10 @@ class Engine:
         apply_fn = Transformer(cfg).apply
         self._prefill = jax.jit(functools.partial(loop.prefill, apply_fn=apply_fn),
                                 static_argnames=("scratch_offset",), donate_argnames=("kv",))
-        decode = functools.partial(loop.decode_loop, apply_fn=apply_fn, cfg=cfg,
-                                   n_slots=buffer_size, scratch_offset=self.scratch_offset,
-                                   debug=debug)
-        self._decode = jax.jit(functools.partial(decode, stop_on_finish=False),
-                               donate_argnames=("state", "kv"))
-        # Continuous batching: return as soon as a row finishes, so the host can refill it.
-        self._decode_until_finish = jax.jit(functools.partial(decode, stop_on_finish=True),
-                                            donate_argnames=("state", "kv"))
+        self._decode = jax.jit(
+            functools.partial(loop.decode_loop, apply_fn=apply_fn, cfg=cfg, n_slots=buffer_size,
+                              scratch_offset=self.scratch_offset, debug=debug),
+            donate_argnames=("state", "kv"))
         self._merge = jax.jit(_merge_rows, donate_argnames=("old",))
 
     # ---------------------------------------------------------------- validation
@@ -203,13 +199,6 @@ class Engine:
                                 scratch_offset=self.scratch_offset)
         return t
 
-    def _prefill_rows(self, prompts: list[np.ndarray], rows: np.ndarray) -> None:
-        """Writes the KV of every full prompt block of the selected rows, chunk by chunk."""
-        full_len = self._full_len(prompts, rows)
-        start = 0
-        while start < int(full_len.max()):
-            start += self._prefill_chunk(prompts, full_len, rows, start)
-
     # ---------------------------------------------------------------- public API
     def generate(self, prompts: Sequence[Sequence[int]],
                  decode: DecodeConfig | Sequence[DecodeConfig] = DecodeConfig()) -> list[GenerationResult]:
@@ -227,31 +216,33 @@ class Engine:
         return results
 
     def _generate_batch(self, prompts: list[np.ndarray], decodes: list[DecodeConfig]) -> list[GenerationResult]:
+        """Rows 0..n-1 get the prompts (the rest stay free): the service's admission path."""
         t0 = time.perf_counter()
-        n = len(prompts)
-        pad = self.batch_size - n
-        rows = np.array([True] * n + [False] * pad)
-        all_prompts = prompts + [np.array([self.cfg.pad_token_id], np.int32)] * pad
-        all_decodes = decodes + [DecodeConfig()] * pad
-        state = self.initial_state(all_prompts, all_decodes)
-        state = state.replace(done=jax.device_put(~rows))
-        self._prefill_rows(all_prompts, rows)
+        state = self.admit(self.empty_state(), dict(enumerate(zip(prompts, decodes))))
         state = self.run_decode(state)
-        seconds = time.perf_counter() - t0
-        return self.results(state, n, seconds, decodes)
+        return self.results(state, len(prompts), time.perf_counter() - t0, decodes)
+
+    def decode_call(self, state: DecodeState, max_steps: int | None = None) -> DecodeState:
+        """One call of the jitted loop: up to max_steps decode steps (default steps_per_call),
+        returning early when some row finishes (so a server can refill it). In debug mode a
+        broken Block Buffer invariant raises here."""
+        t = time.perf_counter()
+        state, self.kv, steps = self._decode(self.params, state, self.kv,
+                                             np.int32(max_steps or self.steps_per_call))
+        steps = int(steps)  # waits for the call
+        self.call_log.append((time.perf_counter() - t, steps))
+        if self.debug:
+            violations = jax.device_get(state.violations)
+            if np.any(violations):
+                raise RuntimeError(f"Block Buffer invariant broken in rows "
+                                   f"{np.nonzero(violations)[0].tolist()} (debug mode)")
+        return state
 
     def run_decode(self, state: DecodeState, max_calls: int | None = None) -> DecodeState:
-        """Calls the jitted loop until every row is done (or max_calls calls ran)."""
+        """Decode calls until every row is done (or max_calls calls ran)."""
         calls = 0
         while not np.all(jax.device_get(state.done)) and (max_calls is None or calls < max_calls):
-            t = time.perf_counter()
-            state, self.kv, steps = self._decode(self.params, state, self.kv,
-                                                 np.int32(self.steps_per_call))
-            steps = int(steps)  # waits for the call
-            self.call_log.append((time.perf_counter() - t, steps))
-            if self.debug and np.any(jax.device_get(state.violations)):
-                rows = np.nonzero(jax.device_get(state.violations))[0].tolist()
-                raise RuntimeError(f"Block Buffer invariant broken in rows {rows} (debug mode)")
+            state = self.decode_call(state)
             calls += 1
         return state
 
@@ -307,20 +298,22 @@ class Engine:
         result.final_answer = voting.extract(result.text or "", cfg)
 
     # ---------------------------------------------------------------- continuous batching
+    def _blank_rows(self) -> tuple[list[np.ndarray], list[DecodeConfig]]:
+        """Placeholder prompt and decode config of a free row."""
+        b = self.batch_size
+        return [np.array([self.cfg.pad_token_id], np.int32)] * b, [DecodeConfig()] * b
+
     def empty_state(self) -> DecodeState:
         """A state whose rows are all free (done)."""
-        prompts = [np.array([self.cfg.pad_token_id], np.int32)] * self.batch_size
-        state = self.initial_state(prompts, [DecodeConfig()] * self.batch_size)
+        state = self.initial_state(*self._blank_rows())
         return state.replace(done=jax.device_put(np.ones(self.batch_size, bool)))
 
     def begin_admit(self, requests: dict[int, tuple[Sequence[int], DecodeConfig]]) -> Admission:
         """Starts admitting requests into free rows {row: (prompt ids, decode)}: validates them and
         builds their fresh state. Then `prefill_step` until it returns True, then `finish_admit`.
         Decode calls may run between the steps: the other rows keep their state and KV."""
-        b = self.batch_size
-        rows = np.zeros(b, bool)
-        prompts = [np.array([self.cfg.pad_token_id], np.int32)] * b
-        decodes = [DecodeConfig()] * b
+        rows = np.zeros(self.batch_size, bool)
+        prompts, decodes = self._blank_rows()
         for row, (prompt, decode) in requests.items():
             self.check_prompt(prompt)
             self.check_decode(decode)
@@ -352,25 +345,16 @@ class Engine:
         done[list(rows)] = True
         return state.replace(done=jax.device_put(done))
 
-    def decode_until_finish(self, state: DecodeState, max_steps: int) -> DecodeState:
-        """One decode call: up to max_steps steps, returning early when some row finishes."""
-        t = time.perf_counter()
-        state, self.kv, steps = self._decode_until_finish(self.params, state, self.kv,
-                                                          np.int32(max_steps))
-        steps = int(steps)
-        self.call_log.append((time.perf_counter() - t, steps))
-        return state
-
     def warmup(self) -> None:
-        """Compiles every program this engine can run (all prefill buckets and the decode loop)."""
+        """Compiles every program this engine can run (all prefill buckets, the row merge and
+        the decode loop)."""
         blk = self.cfg.block_size
         b = self.batch_size
         for t in prefill_buckets(blk, self.prefill_chunk):
             self.kv = self._prefill(self.params, self.kv, jax.device_put(np.zeros((b, t), np.int32)),
                                     np.int32(0), jax.device_put(np.zeros(b, np.int32)),
                                     jax.device_put(np.zeros(b, bool)), scratch_offset=self.scratch_offset)
-        prompts = [np.array([self.cfg.pad_token_id], np.int32)] * b
-        self.run_decode(self.initial_state(prompts, [DecodeConfig()] * b), max_calls=1)
-        state = self.admit(self.empty_state(), {0: (prompts[0], DecodeConfig(max_new_tokens=1))})
-        self.decode_until_finish(state, 1)
+        prompt = np.array([self.cfg.pad_token_id], np.int32)
+        state = self.admit(self.empty_state(), {0: (prompt, DecodeConfig(max_new_tokens=1))})
+        self.decode_call(state, 1)
         jax.block_until_ready(self.kv)

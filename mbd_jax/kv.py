@@ -18,22 +18,15 @@ class KVCache:
     k: tuple[jax.Array, ...]  # num_layers x [B, S_max, K, Dh]
     v: tuple[jax.Array, ...]
 
-    @property
-    def batch(self) -> int:
-        return self.k[0].shape[0]
-
-    @property
-    def capacity(self) -> int:
-        return self.k[0].shape[1]
-
     def nbytes(self) -> int:
         return sum(a.size * a.dtype.itemsize for a in self.k + self.v)
 
 
-def kv_capacity(cfg: ModelConfig, window_tokens: int) -> int:
-    """S_max: room for max_seq_len plus one decode window past it (a finished row keeps writing its
-    window at its last offset), rounded up to the attention chunk so chunk slices never clamp."""
-    need = cfg.max_seq_len + window_tokens
+def kv_capacity(cfg: ModelConfig, extra_tokens: int) -> int:
+    """S_max: room for max_seq_len plus `extra_tokens` (the engine's: one decode window past the
+    last real position, and the scratch region), rounded up to the attention chunk so chunk
+    slices never clamp."""
+    need = cfg.max_seq_len + extra_tokens
     chunk = cfg.attention_chunk
     return -(-need // chunk) * chunk
 

@@ -308,6 +308,11 @@ def build_apps(svc: Service) -> tuple[Starlette, Starlette]:
                                  "usage": usage(result)})
         include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
 
+        def sse(choices: list[dict], **extra) -> str:
+            obj = {"id": req.id, "object": kind + ".chunk" if chat_format else kind,
+                   "created": created, "model": svc.model_name, "choices": choices, **extra}
+            return f"data: {json.dumps(obj)}\n\n"
+
         def chunk(delta_text: str | None, reason: str | None, extra: dict | None = None) -> str:
             if chat_format:
                 delta = {} if delta_text is None else {"content": delta_text}
@@ -315,15 +320,13 @@ def build_apps(svc: Service) -> tuple[Starlette, Starlette]:
             else:
                 choice = {"index": 0, "text": delta_text or "", "finish_reason": reason,
                           "logprobs": None}
-            choice.update(extra or {})
-            obj = {"id": req.id, "object": kind + ".chunk" if chat_format else kind,
-                   "created": created, "model": svc.model_name, "choices": [choice]}
-            return f"data: {json.dumps(obj)}\n\n"
+            return sse([{**choice, **(extra or {})}])
 
         async def events():
             try:
-                if chat_format:
-                    yield f"data: {json.dumps({'id': req.id, 'object': kind + '.chunk', 'created': created, 'model': svc.model_name, 'choices': [{'index': 0, 'delta': {'role': 'assistant', 'content': ''}, 'finish_reason': None}]})}\n\n"
+                if chat_format:  # OpenAI streams open with the assistant role
+                    yield sse([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                "finish_reason": None}])
                 while True:
                     event = await req.events.get()
                     if event[0] == "tokens":
@@ -332,10 +335,7 @@ def build_apps(svc: Service) -> tuple[Starlette, Starlette]:
                         result = event[1]
                         yield chunk(None if chat_format else "", finish_reason(result), voting_info(result))
                         if include_usage:
-                            obj = {"id": req.id, "object": kind + ".chunk" if chat_format else kind,
-                                   "created": created, "model": svc.model_name, "choices": [],
-                                   "usage": usage(result)}
-                            yield f"data: {json.dumps(obj)}\n\n"
+                            yield sse([], usage=usage(result))
                         break
                     else:
                         err = {"error": {"message": event[2], "type": "timeout" if event[1] == 504

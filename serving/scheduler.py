@@ -124,7 +124,7 @@ class Scheduler:
                     self._prefilling.clear()
                     admission = None
                 if len(self._rows) > len(self._prefilling):
-                    state = self.engine.decode_until_finish(state, self.cfg.server.steps_per_call)
+                    state = self.engine.decode_call(state, self.cfg.server.steps_per_call)
                     self._publish(self._fetch(state))
         except BaseException as e:  # the service cannot go on without its engine: say so loudly
             self.error = e

@@ -155,11 +155,11 @@ def test_prefill_chunks_interleave_with_running_rows(cfg, params):
     admission = eng.begin_admit({1: (long_prompt, d)})
     interleaved = 0
     while not eng.prefill_step(admission):
-        state = eng.decode_until_finish(state, 2)
+        state = eng.decode_call(state, 2)
         interleaved += 1
     state = eng.finish_admit(state, admission)
     while not np.all(jax.device_get(state.done)):
-        state = eng.decode_until_finish(state, 8)
+        state = eng.decode_call(state, 8)
     got = eng.results(state, 2, 0.0)
     assert interleaved >= 4
     assert [r.token_ids for r in got] == [w.token_ids for w in want]

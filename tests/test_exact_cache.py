@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mbd_jax.config import DecodeConfig
 from mbd_jax.engine import Engine
 from mbd_jax.model.transformer import Transformer, block_causal_mask
 from tests.conftest import tiny_cfg, tiny_params
@@ -41,8 +42,7 @@ def test_buffer_path_equals_full_forward(router, attention, moe_impl):
 
     # Buffer path: the engine's prefill writes each row's full prompt blocks ...
     engine = Engine(cfg, params, batch_size=b, prefill_chunk=16)
-    prompts = [seqs[i, :n] for i, n in enumerate(prompt_lens)]
-    engine._prefill_rows(prompts, np.ones(b, bool))
+    engine.admit(engine.empty_state(), {i: (seqs[i, :n], DecodeConfig()) for i, n in enumerate(prompt_lens)})
     kv = engine.kv
     # ... then block after block, each row at its own offset, through the same forward.
     offset = np.array([n // blk * blk for n in prompt_lens], np.int32)
@@ -66,10 +66,11 @@ def test_stored_kv_equals_full_forward_kv(cfg, params):
     b, n = 2, 5 * blk
     rng = np.random.default_rng(1)
     seqs = rng.integers(5, cfg.vocab_size, (b, n)).astype(np.int32)
+    rows = {0: (seqs[0], DecodeConfig()), 1: (seqs[1], DecodeConfig())}
     one = Engine(cfg, params, batch_size=b, prefill_chunk=8 * blk)
-    one._prefill_rows([seqs[0], seqs[1]], np.ones(b, bool))
+    one.admit(one.empty_state(), rows)
     chunked = Engine(cfg, params, batch_size=b, prefill_chunk=blk)  # 5 prefill calls of 1 block
-    chunked._prefill_rows([seqs[0], seqs[1]], np.ones(b, bool))
+    chunked.admit(chunked.empty_state(), rows)
     for layer in range(cfg.num_layers):
         a = one.kv.k[layer][:, :n]
         c = chunked.kv.k[layer][:, :n]

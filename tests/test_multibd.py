@@ -48,9 +48,7 @@ def test_multibd_cache_is_exact(cfg, params, debug_engine):
     clean forward over the final tokens (float32, 1e-5)."""
     eng = debug_engine
     prompts = [np.asarray(p, np.int32) for p in PROMPTS]
-    state = eng.initial_state(prompts, [MULTI] * 4)
-    eng._prefill_rows(prompts, np.ones(4, bool))
-    state = eng.run_decode(state)
+    state = eng.run_decode(eng.admit(eng.empty_state(), {i: (p, MULTI) for i, p in enumerate(prompts)}))
     host = jax.device_get(state)
     assert int(host.max_active.max()) == 2  # blocks really overlapped
     model = Transformer(cfg)
@@ -115,9 +113,8 @@ def test_edit_mode_rewrites_a_token_the_model_changed_its_mind_on(cfg, params):
     prompt = [np.arange(10, 13, dtype=np.int32)]  # 3 prompt tokens: position 3 is generated
 
     def run(decode):
-        state = eng.initial_state(prompt, [decode])
+        state = eng.admit(eng.empty_state(), {0: (prompt[0], decode)})
         state = state.replace(canvas=state.canvas.at[0, 3].set(50))
-        eng._prefill_rows(prompt, np.ones(1, bool))
         (r,) = eng.results(eng.run_decode(state), 1, 0.0)
         return r
 

@@ -53,9 +53,7 @@ def test_recorded_trajectory_is_the_running_prediction(cfg, params):
     decode = DecodeConfig(max_new_tokens=24, buffer_size=2, add_block_threshold=0.0,
                           voting=VotingConfig(extractor="regex", pattern=r"(\w+)"))
     prompts = [np.array(tok.encode("What is 12 + 30?"), np.int32), np.arange(10, 23, dtype=np.int32)]
-    state = eng.initial_state(prompts, [decode] * 2)
-    eng._prefill_rows(prompts, np.ones(2, bool))
-    state = eng.run_decode(state)
+    state = eng.run_decode(eng.admit(eng.empty_state(), {0: (prompts[0], decode), 1: (prompts[1], decode)}))
     results = eng.results(state, 2, 0.0, [decode] * 2)
     traj = jax.device_get(state.trajectory)
     for i, r in enumerate(results):

@@ -87,9 +87,9 @@ def decode_step(params: Any, state: DecodeState, kv: KVCache, *, apply_fn: Apply
 
 def decode_loop(params: Any, state: DecodeState, kv: KVCache, max_steps: jax.Array, *,
                 apply_fn: ApplyFn, cfg: ModelConfig, n_slots: int, scratch_offset: int,
-                stop_on_finish: bool, debug: bool = False) -> tuple[DecodeState, KVCache, jax.Array]:
-    """Runs decode steps on device until every row is done, `max_steps` forwards ran, or (with
-    stop_on_finish) some row finished, so the host can refill it. Returns the steps run."""
+                debug: bool = False) -> tuple[DecodeState, KVCache, jax.Array]:
+    """Runs decode steps on device until `max_steps` forwards ran or some row finished (so the
+    host can refill it, or return it). Returns the steps run."""
 
     def cond(carry):
         st, _, steps, event = carry
@@ -99,8 +99,7 @@ def decode_loop(params: Any, state: DecodeState, kv: KVCache, max_steps: jax.Arr
         st, cache, steps, _ = carry
         new_st, cache = decode_step(params, st, cache, apply_fn=apply_fn, cfg=cfg, n_slots=n_slots,
                                     scratch_offset=scratch_offset, debug=debug)
-        event = jnp.any(new_st.done & ~st.done) if stop_on_finish else jnp.asarray(False)
-        return new_st, cache, steps + 1, event
+        return new_st, cache, steps + 1, jnp.any(new_st.done & ~st.done)
 
     state, kv, steps, _ = jax.lax.while_loop(
         cond, body, (state, kv, jnp.asarray(0, jnp.int32), jnp.asarray(False)))
