@@ -2,10 +2,10 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-PROMPT ?= What is 12 + 30?
+PROMPT ?= What is 12+30?
 PORT   ?= 8000
 
-.PHONY: run generate test bench clean
+.PHONY: run generate test bench models clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,9 +23,9 @@ $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
 run: $(VENV)/.installed
 	$(BIN)/mbd-jax serve --config configs/serve.yaml --port $(PORT)
 
-## make generate: one offline generation on the default model
+## make generate: one offline generation (a chat turn) on the default model
 generate: $(VENV)/.installed
-	$(BIN)/mbd-jax generate --prompt "$(PROMPT)" --max-new-tokens 32
+	$(BIN)/mbd-jax generate --chat --prompt "$(PROMPT)" --max-new-tokens 32 --buffer-size 2
 
 ## make test: install with the dev extras and run the whole suite
 test: $(VENV)/.installed-dev
@@ -34,6 +34,14 @@ test: $(VENV)/.installed-dev
 ## make bench: the decode benchmark on the default model (JSON on stdout, table on stderr)
 bench: $(VENV)/.installed
 	$(BIN)/mbd-jax bench decode --buffer-size 1,2,4 --json
+
+## make models: retrain the shipped tokenizer, tiny-bd and tiny-mbd from scratch (fixed seeds;
+## about 45 min on 2 CPU cores, see docs/training.md)
+models: $(VENV)/.installed
+	$(BIN)/python tools/train_tokenizer.py --tasks arith,sort,reverse,recall --out configs/tokenizers/tasks --vocab 384
+	rm -rf runs/tiny-bd runs/tiny-mbd
+	$(BIN)/mbd-jax train --config configs/train/tiny-bd.yaml
+	$(BIN)/mbd-jax train --config configs/train/tiny-mbd.yaml
 
 clean:
 	rm -rf $(VENV) build *.egg-info

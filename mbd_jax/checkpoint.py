@@ -1,12 +1,15 @@
 """Model loading: a preset or YAML (random init from a seed) or a model directory.
 
 A model directory holds `config.yaml` (a ModelConfig), `params/` (an orbax checkpoint of the
-parameter tree) and, optionally, a tokenizer named by the config.
+parameter tree), optionally a tokenizer named by the config, and `manifest.json` (how it was made
+and the sha256 of every file, checked on load).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import pathlib
 from typing import Any
 
@@ -41,6 +44,36 @@ def save_model(out_dir: str | pathlib.Path, cfg: ModelConfig, params: Any) -> pa
     return out
 
 
+def _sha256(path: pathlib.Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(model_dir: pathlib.Path, info: dict[str, Any]) -> dict[str, Any]:
+    """Writes manifest.json: `info` plus the sha256 of every file in the directory."""
+    manifest = dict(info)
+    manifest["files"] = {str(p.relative_to(model_dir)): _sha256(p)
+                         for p in sorted(model_dir.rglob("*"))
+                         if p.is_file() and p.name != "manifest.json"}
+    (model_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def verify_manifest(model_dir: pathlib.Path) -> None:
+    """Every file the manifest lists exists with its sha256; raises naming the first bad file."""
+    manifest = json.loads((model_dir / "manifest.json").read_text())
+    for rel, digest in manifest["files"].items():
+        p = model_dir / rel
+        if not p.is_file():
+            raise ConfigError(f"model {model_dir}: file {rel} listed in manifest.json is missing")
+        if _sha256(p) != digest:
+            raise ConfigError(f"model {model_dir}: file {rel} does not match its checksum in "
+                              "manifest.json (corrupt or truncated)")
+
+
 def _restore_params(path: pathlib.Path, cfg: ModelConfig) -> Any:
     import orbax.checkpoint as ocp
 
@@ -50,7 +83,7 @@ def _restore_params(path: pathlib.Path, cfg: ModelConfig) -> Any:
         raise ConfigError(f"model {path}: config.yaml says init: checkpoint but params/ is missing")
     target = jax.eval_shape(lambda: init_params(cfg))
     try:
-        return ocp.StandardCheckpointer().restore(path / "params", target)
+        return ocp.StandardCheckpointer().restore((path / "params").absolute(), target)
     except Exception as e:  # orbax/tensorstore raise many types for a damaged checkpoint
         raise ConfigError(f"model {path}: params/ cannot be restored against config.yaml "
                           f"({type(e).__name__}: {str(e)[:300]})") from None
@@ -66,9 +99,7 @@ def load_model(model: str, *, with_weights: bool = True) -> LoadedModel:
         if cfg.init == "random":
             params = init_params(cfg)
         elif cfg.init == "checkpoint":
-            if (config_path.parent / "manifest.json").is_file():  # converted: check every file
-                from mbd_jax.convert import verify_manifest
-
+            if (config_path.parent / "manifest.json").is_file():  # check every file
                 verify_manifest(config_path.parent)
             params = _restore_params(config_path.parent, cfg)
         else:

@@ -1,4 +1,4 @@
-"""`mbd-jax` command line: generate, bench decode.
+"""`mbd-jax` command line: generate, serve, convert, train, eval, bench decode.
 
 User mistakes (bad flags, configs, prompts) print `error: ...` naming the field and exit 2;
 they never print a traceback.
@@ -12,7 +12,7 @@ import sys
 
 from mbd_jax.errors import UserError
 
-DEFAULT_MODEL = "tiny-random"
+DEFAULT_MODEL = "tiny-mbd"  # trained on the task suite, shipped in models/
 
 
 def _add_decode_flags(p: argparse.ArgumentParser, buffer_size_list: bool = False) -> None:
@@ -90,6 +90,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     if prompts_text and model.tokenizer is None:
         raise UserError(f"--model {args.model} has no tokenizer; use --prompt-ids")
+    if args.chat:  # each prompt is one user turn in the model's chat template
+        from mbd_jax.chat import render
+
+        prompts_text = [render([{"role": "user", "content": t}], template=model.cfg.chat_template)
+                        for t in prompts_text]
     prompts = [model.tokenizer.encode(t) for t in prompts_text] + prompts_ids
     record = (0, 0)
     if decode.voting is not None:  # record every step's prediction of the generated region
@@ -158,6 +163,34 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from mbd_jax.train.config import load_train_config
+    from mbd_jax.train.trainer import run_training
+
+    tcfg = load_train_config(args.config, steps=args.steps, checkpoint_dir=args.checkpoint_dir,
+                             output=args.output)
+    out = run_training(tcfg, progress=not args.no_progress)
+    print(json.dumps({"model_dir": str(out)}))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from mbd_jax.checkpoint import load_model
+    from mbd_jax.evaluate import evaluate, task_names
+
+    decode = _decode_config(args)
+    task_names(args.task, args.limit)  # fail before loading anything
+    model = load_model(args.model)
+    report = evaluate(model, args.task, decode, limit=args.limit, batch_size=args.batch_size,
+                      progress=not args.no_progress)
+    if args.json:
+        print(json.dumps(report.to_json()))
+    else:
+        print(f"{report.model} {report.task} n={report.n} accuracy={report.accuracy:.3f} "
+              f"tpf={report.tpf:.2f} tokens/s={report.tokens_per_s:.1f}")
+    return 0
+
+
 def add_convert_args(c: argparse.ArgumentParser) -> None:
     c.add_argument("--src", required=True, help="Hugging Face checkpoint directory")
     c.add_argument("--dst", required=True, help="output model directory")
@@ -175,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default=DEFAULT_MODEL, help="preset name, YAML file or model dir")
     g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     g.add_argument("--prompt-ids", action="append", help="prompt token ids, e.g. 1,2,3 (repeatable)")
+    g.add_argument("--chat", action="store_true",
+                   help="render each --prompt as a user turn in the model's chat template")
     g.add_argument("--batch-size", type=int, help="rows decoded together (default: #prompts, <= 8)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.add_argument("--profile", metavar="DIR", help="write a JAX profiler trace to DIR")
@@ -182,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="the HTTP service (OpenAI-compatible; admin port for metrics)")
-    s.add_argument("--model", help="preset, YAML or model dir (default: the config's, tiny-random)")
+    s.add_argument("--model", help="preset, YAML or model dir (default: the config's, tiny-mbd)")
     s.add_argument("--config", help="serve config YAML (configs/serve.yaml)")
     s.add_argument("--host")
     s.add_argument("--port", type=int)
@@ -194,6 +229,24 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="convert a Hugging Face / PyTorch checkpoint")
     add_convert_args(c)
     c.set_defaults(func=cmd_convert)
+
+    t = sub.add_parser("train", help="train or post-train a model (block diffusion / MultiTF)")
+    t.add_argument("--config", required=True, help="a training config, e.g. configs/train/tiny-bd.yaml")
+    t.add_argument("--steps", type=int, help="override the config's steps")
+    t.add_argument("--checkpoint-dir", help="override the config's checkpoint_dir (resumes from it)")
+    t.add_argument("--output", help="override the config's output model directory")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("eval", help="exact-match accuracy, TPF and tokens/s on a held-out task split")
+    e.add_argument("--model", default=DEFAULT_MODEL, help="preset name, YAML file or model dir")
+    e.add_argument("--task", default="all", help="arith, sort, reverse, recall, a comma list, or all")
+    e.add_argument("--limit", type=int, default=100, help="held-out examples per task")
+    e.add_argument("--batch-size", type=int, default=16, help="rows decoded together")
+    e.add_argument("--json", action="store_true", help="one JSON object")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_decode_flags(e)
+    e.set_defaults(func=cmd_eval)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)

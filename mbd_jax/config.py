@@ -18,7 +18,8 @@ import yaml
 from mbd_jax.errors import ConfigError
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-MODEL_PRESET_DIR = REPO_ROOT / "configs" / "models"
+MODEL_PRESET_DIR = REPO_ROOT / "configs" / "models"  # architectures (random init or shape only)
+SHIPPED_MODEL_DIR = REPO_ROOT / "models"  # trained models shipped in the repo (tiny-bd, tiny-mbd)
 
 RouterType = Literal["softmax_topk", "sigmoid_grouped"]
 MoeImpl = Literal["dense", "ragged", "tiled"]
@@ -251,11 +252,13 @@ def load_model_config(path: str | pathlib.Path) -> ModelConfig:
 
 
 def available_presets() -> list[str]:
-    return sorted(p.stem for p in MODEL_PRESET_DIR.glob("*.yaml"))
+    shipped = [p.parent.name for p in SHIPPED_MODEL_DIR.glob("*/config.yaml")]
+    return sorted(shipped + [p.stem for p in MODEL_PRESET_DIR.glob("*.yaml")])
 
 
 def resolve_model_path(model: str) -> pathlib.Path:
-    """A preset name, a YAML file, or a directory holding config.yaml (a converted/trained model)."""
+    """A shipped model or preset name, a YAML file, or a directory holding config.yaml (a
+    converted or trained model)."""
     p = pathlib.Path(model)
     if p.is_dir():
         if not (p / "config.yaml").is_file():
@@ -263,6 +266,9 @@ def resolve_model_path(model: str) -> pathlib.Path:
         return p / "config.yaml"
     if p.is_file():
         return p
+    shipped = SHIPPED_MODEL_DIR / model / "config.yaml"
+    if "/" not in model and shipped.is_file():
+        return shipped
     preset = MODEL_PRESET_DIR / f"{model}.yaml"
     if preset.is_file():
         return preset
@@ -399,10 +405,11 @@ class ServerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-    """Prefix KV cache (the KV persistence issue). Accepted and validated; not used yet."""
+    """Prefix KV cache: committed blocks are persisted (double-buffered device-to-host copies) to
+    a RAM tier and, with storage_path, a disk tier; prompts reuse their stored leading blocks."""
 
     enabled: bool = False
-    storage_path: str | None = None
+    storage_path: str | None = None  # disk tier directory (relative: to the working directory)
     ram_capacity_mb: int = 1024
     disk_capacity_mb: int = 10240
     ttl_s: int = 86400
@@ -425,7 +432,7 @@ class MonitoringConfig:
 class ServeConfig:
     """configs/serve.yaml: the service's settings (unknown or ill-typed fields are rejected)."""
 
-    model: str = "tiny-random"
+    model: str = "tiny-mbd"
     generation: GenerationConfig = GenerationConfig()
     decoding: DecodeConfig = DecodeConfig(buffer_size=2)  # request defaults
     server: ServerConfig = ServerConfig()
@@ -442,7 +449,7 @@ def load_serve_config(path: str | pathlib.Path | None, **overrides: Any) -> Serv
     data = data or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections")
-    for key, value in overrides.items():  # "server.port": 8001, or "model": "tiny-random"
+    for key, value in overrides.items():  # "server.port": 8001, or "model": "tiny-mbd"
         if value is None:
             continue
         section, _, field = key.partition(".")

@@ -10,7 +10,6 @@ parameter arrays of the target dtype, so host memory holds about one copy of the
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import pathlib
 import shutil
@@ -19,6 +18,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from mbd_jax.checkpoint import save_model, write_manifest
 from mbd_jax.config import ModelConfig
 from mbd_jax.errors import ConfigError, UserError
 
@@ -247,14 +247,6 @@ def _experts(cfg: ModelConfig, m: str, ours: str, names: set[str]):
 
 
 # ---------------------------------------------------------------------------- driver
-def _sha256(path: pathlib.Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _special_ids(src: pathlib.Path, hf: dict, mask_token_id: int | None) -> tuple[int, list[int]]:
     tok = None
     if (src / "tokenizer.json").is_file():
@@ -282,8 +274,6 @@ def convert(src: str | pathlib.Path, dst: str | pathlib.Path, *, family: str = "
     """Converts a Hugging Face checkpoint directory; returns the manifest."""
     import ml_dtypes
     from tqdm import tqdm
-
-    from mbd_jax.checkpoint import save_model
 
     src, dst = pathlib.Path(src), pathlib.Path(dst)
     if not (src / "config.json").is_file():
@@ -357,15 +347,10 @@ def convert(src: str | pathlib.Path, dst: str | pathlib.Path, *, family: str = "
     cfg = dataclasses.replace(cfg, tokenizer=tokenizer_name)
     _to_device_in_place(params)  # orbax would otherwise copy every numpy leaf at once
     save_model(dst, cfg, params)
-    manifest = {
+    return write_manifest(dst, {
         "converter_version": CONVERTER_VERSION, "source": str(src.resolve()), "family": family,
         "dtype": dtype, "parameters": int(sum(a.size for a in jax.tree.leaves(params))),
-        "seconds_reading": round(read_s, 3), "source_bytes": source.nbytes(),
-        "files": {str(p.relative_to(dst)): _sha256(p) for p in sorted(dst.rglob("*"))
-                  if p.is_file() and p.name != "manifest.json"},
-    }
-    (dst / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    return manifest
+        "seconds_reading": round(read_s, 3), "source_bytes": source.nbytes()})
 
 
 def _paths(tree: dict, prefix: tuple = ()) -> Iterator[tuple]:
@@ -391,15 +376,3 @@ def _get(tree: dict, path: tuple):
     for k in path:
         tree = tree[k]
     return tree
-
-
-def verify_manifest(model_dir: pathlib.Path) -> None:
-    """Every file the manifest lists exists with its sha256; raises naming the first bad file."""
-    manifest = json.loads((model_dir / "manifest.json").read_text())
-    for rel, digest in manifest["files"].items():
-        p = model_dir / rel
-        if not p.is_file():
-            raise ConfigError(f"model {model_dir}: file {rel} listed in manifest.json is missing")
-        if _sha256(p) != digest:
-            raise ConfigError(f"model {model_dir}: file {rel} does not match its checksum in "
-                              "manifest.json (corrupt or truncated)")

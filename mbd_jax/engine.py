@@ -20,6 +20,8 @@ import numpy as np
 
 from mbd_jax import compile_stats
 from mbd_jax import kv as kvlib
+from mbd_jax.cache.offload import KVOffloader
+from mbd_jax.cache.prefix_store import PrefixStore
 from mbd_jax.config import DecodeConfig, ModelConfig, VotingConfig
 from mbd_jax.decoding import block_buffer, loop, policy, voting
 from mbd_jax.decoding.block_buffer import FINISH_NAMES, DecodeState, RowParams
@@ -67,6 +69,14 @@ def prefill_buckets(block_size: int, prefill_chunk: int) -> list[int]:
 
 
 @dataclasses.dataclass
+class PrefixHit:
+    """A prompt's leading blocks found in the prefix store, already on their way to the device."""
+
+    tokens: int  # prompt positions [0, tokens) are covered
+    chunks: list[tuple[int, jax.Array]]  # (start, [L, 2, T, K, Dh]) with T a prefill bucket
+
+
+@dataclasses.dataclass
 class Admission:
     """Requests being admitted into rows: their fresh state and how far their prefill got."""
 
@@ -74,7 +84,8 @@ class Admission:
     prompts: list[np.ndarray]
     full_len: np.ndarray  # [B] full prompt blocks to prefill per row
     fresh: DecodeState
-    start: int = 0  # prompt positions [0, start) are prefilled
+    start: np.ndarray  # [B] prompt positions [0, start) of each row are in the KV buffer
+    hit_tokens: int = 0  # prompt tokens that came from the prefix cache
 
 
 def _merge_rows(old: DecodeState, new: DecodeState, rows: jax.Array) -> DecodeState:
@@ -88,12 +99,15 @@ def _merge_rows(old: DecodeState, new: DecodeState, rows: jax.Array) -> DecodeSt
 class Engine:
     def __init__(self, cfg: ModelConfig, params: Any, *, batch_size: int = 4, buffer_size: int = 1,
                  prefill_chunk: int = 256, steps_per_call: int = 64, debug: bool = False,
-                 tokenizer: Tokenizer | None = None, record_steps: int = 0, record_len: int = 0):
+                 tokenizer: Tokenizer | None = None, record_steps: int = 0, record_len: int = 0,
+                 prefix_store: PrefixStore | None = None, offload_blocks_per_call: int = 64):
         """batch_size rows decode together; buffer_size is the compiled N_buf (requests may use
         less); with `debug`, every decode step checks the Block Buffer invariants and a broken
         one raises (slower: the check scans each row's canvas). With a tokenizer, results carry
         text. record_steps x record_len > 0 records each step's full prediction of the first
-        record_len generated positions (the last record_steps steps), which voting needs."""
+        record_len generated positions (the last record_steps steps), which voting needs.
+        With a prefix store, admitted prompts reuse stored leading blocks and committed blocks
+        are persisted after every decode call (double-buffered, cache/offload.py)."""
         if prefill_chunk % cfg.block_size:
             raise UserError(f"prefill_chunk ({prefill_chunk}) must be a multiple of block_size "
                             f"({cfg.block_size})")
@@ -127,6 +141,22 @@ class Engine:
                               scratch_offset=self.scratch_offset, debug=debug),
             donate_argnames=("state", "kv"))
         self._merge = jax.jit(_merge_rows, donate_argnames=("old",))
+        self.prefix_store = prefix_store
+        self.offloader: KVOffloader | None = None
+        self.prefix_hit_tokens = 0  # prompt tokens served from the prefix store so far
+        self.prefill_seconds_per_token = 0.0  # measured in warmup (with a prefix store)
+        if prefix_store is not None:
+            if prefix_store.block_size != cfg.block_size:
+                raise UserError(f"prefix store block size {prefix_store.block_size} != the model's "
+                                f"{cfg.block_size}")
+            self._load = jax.jit(kvlib.load_blocks, donate_argnames=("kv",))
+            gather = jax.jit(lambda staging, kv, rows, starts: kvlib.gather_blocks(
+                kv, rows, starts, cfg.block_size), donate_argnums=0)
+            staging = (offload_blocks_per_call, cfg.num_layers, 2, cfg.block_size,
+                       cfg.num_kv_heads, cfg.head_dim)
+            dtype = self.kv.k[0].dtype
+            self.offloader = KVOffloader(prefix_store, gather, lambda: jnp.zeros(staging, dtype),
+                                         batch_size, offload_blocks_per_call)
 
     # ---------------------------------------------------------------- validation
     def check_prompt(self, ids: Sequence[int], where: str = "prompt") -> None:
@@ -184,19 +214,20 @@ class Engine:
                         np.int32)
 
     def _prefill_chunk(self, prompts: list[np.ndarray], full_len: np.ndarray, rows: np.ndarray,
-                       start: int) -> int:
-        """Writes the KV of prompt positions [start, start + T) of the selected rows (T the
-        smallest bucket covering what is left, at most prefill_chunk). Returns T."""
-        end = int(full_len.max())
+                       start: np.ndarray) -> int:
+        """Writes the KV of prompt positions [start, start + T) of each selected row (T the
+        smallest bucket covering the most any row has left, at most prefill_chunk). Returns T."""
+        todo = rows & (full_len > start)
+        left = int(np.max(np.where(todo, full_len - start, 0)))
         t = next(s for s in prefill_buckets(self.cfg.block_size, self.prefill_chunk)
-                 if s >= min(end - start, self.prefill_chunk))
+                 if s >= min(left, self.prefill_chunk))
         tokens = np.full((self.batch_size, t), self.cfg.pad_token_id, np.int32)
         for i, p in enumerate(prompts):
-            seg = p[start: min(start + t, full_len[i])]
+            seg = p[start[i]: min(start[i] + t, full_len[i])]
             tokens[i, : len(seg)] = seg
-        self.kv = self._prefill(self.params, self.kv, jax.device_put(tokens), np.int32(start),
-                                jax.device_put(full_len), jax.device_put(rows & (full_len > start)),
-                                scratch_offset=self.scratch_offset)
+        self.kv = self._prefill(self.params, self.kv, jax.device_put(tokens),
+                                jax.device_put(start.astype(np.int32)), jax.device_put(full_len),
+                                jax.device_put(todo), scratch_offset=self.scratch_offset)
         return t
 
     # ---------------------------------------------------------------- public API
@@ -227,10 +258,15 @@ class Engine:
         returning early when some row finishes (so a server can refill it). In debug mode a
         broken Block Buffer invariant raises here."""
         t = time.perf_counter()
+        if self.offloader is not None:
+            self.offloader.decode_issued()
         state, self.kv, steps = self._decode(self.params, state, self.kv,
                                              np.int32(max_steps or self.steps_per_call))
         steps = int(steps)  # waits for the call
         self.call_log.append((time.perf_counter() - t, steps))
+        if self.offloader is not None:  # stage what this call committed; drain the last call's
+            cached_len, canvas = jax.device_get((state.cached_len, state.canvas))
+            self.offloader.after_decode(self.kv, cached_len, canvas)
         if self.debug:
             violations = jax.device_get(state.violations)
             if np.any(violations):
@@ -308,24 +344,63 @@ class Engine:
         state = self.initial_state(*self._blank_rows())
         return state.replace(done=jax.device_put(np.ones(self.batch_size, bool)))
 
-    def begin_admit(self, requests: dict[int, tuple[Sequence[int], DecodeConfig]]) -> Admission:
+    def prefetch(self, prompt: Sequence[int]) -> PrefixHit | None:
+        """Looks a prompt's leading full blocks up in the prefix store and starts their transfer
+        to the device (the scheduler calls this for queued requests, so the copy overlaps their
+        wait). None without a store or a hit."""
+        if self.prefix_store is None:
+            return None
+        blk = self.cfg.block_size
+        entries = self.prefix_store.lookup(prompt, max_blocks=len(prompt) // blk)
+        if not entries:
+            return None
+        per_chunk = self.prefill_chunk // blk
+        chunks = []
+        for first in range(0, len(entries), per_chunk):
+            part = np.concatenate(entries[first: first + per_chunk], axis=2)  # [L, 2, T, K, Dh]
+            t = next(s for s in prefill_buckets(blk, self.prefill_chunk) if s >= part.shape[2])
+            pad = np.zeros(part.shape[:2] + (t - part.shape[2],) + part.shape[3:], part.dtype)
+            chunks.append((first * blk, jax.device_put(np.concatenate([part, pad], axis=2))))
+        return PrefixHit(tokens=len(entries) * blk, chunks=chunks)
+
+    def begin_admit(self, requests: dict[int, tuple[Sequence[int], DecodeConfig]],
+                    prefetched: dict[int, PrefixHit | None] | None = None) -> Admission:
         """Starts admitting requests into free rows {row: (prompt ids, decode)}: validates them and
-        builds their fresh state. Then `prefill_step` until it returns True, then `finish_admit`.
-        Decode calls may run between the steps: the other rows keep their state and KV."""
+        builds their fresh state; prompt blocks found in the prefix store (`prefetched` per row, or
+        looked up now) are copied into the row. Then `prefill_step` until it returns True, then
+        `finish_admit`. Decode calls may run between the steps: the other rows keep their state
+        and KV."""
         rows = np.zeros(self.batch_size, bool)
         prompts, decodes = self._blank_rows()
         for row, (prompt, decode) in requests.items():
             self.check_prompt(prompt)
             self.check_decode(decode)
             rows[row], prompts[row], decodes[row] = True, np.asarray(prompt, np.int32), decode
+        start = np.zeros(self.batch_size, np.int32)
+        if self.offloader is not None:
+            for row in requests:
+                start[row] = self._load_prefix(row, prompts[row], (prefetched or {}).get(row))
+        self.prefix_hit_tokens += int(start.sum())
         return Admission(rows=rows, prompts=prompts, full_len=self._full_len(prompts, rows),
-                         fresh=self.initial_state(prompts, decodes))
+                         fresh=self.initial_state(prompts, decodes), start=start,
+                         hit_tokens=int(start.sum()))
+
+    def _load_prefix(self, row: int, prompt: np.ndarray, hit: PrefixHit | None) -> int:
+        """Copies the prompt's stored leading blocks into `row`; returns how many tokens."""
+        hit = hit or self.prefetch(prompt)
+        for chunk_start, blocks in hit.chunks if hit else ():
+            self.kv = self._load(self.kv, blocks, np.int32(row), np.int32(chunk_start))
+        tokens = hit.tokens if hit else 0
+        self.offloader.reset_row(row, tokens // self.cfg.block_size)
+        return tokens
 
     def prefill_step(self, adm: Admission) -> bool:
         """One prefill chunk of an admission; True once all its prompt blocks are written."""
-        if adm.start < int(adm.full_len.max()):
-            adm.start += self._prefill_chunk(adm.prompts, adm.full_len, adm.rows, adm.start)
-        return adm.start >= int(adm.full_len.max())
+        todo = adm.rows & (adm.full_len > adm.start)
+        if todo.any():
+            t = self._prefill_chunk(adm.prompts, adm.full_len, adm.rows, adm.start)
+            adm.start = np.where(todo, np.minimum(adm.start + t, adm.full_len), adm.start)
+        return not (adm.rows & (adm.full_len > adm.start)).any()
 
     def finish_admit(self, state: DecodeState, adm: Admission) -> DecodeState:
         """Merges the admitted rows' fresh state into the running state (one compiled program)."""
@@ -350,10 +425,27 @@ class Engine:
         the decode loop)."""
         blk = self.cfg.block_size
         b = self.batch_size
+        zeros = jax.device_put(np.zeros(b, np.int32))
         for t in prefill_buckets(blk, self.prefill_chunk):
             self.kv = self._prefill(self.params, self.kv, jax.device_put(np.zeros((b, t), np.int32)),
-                                    np.int32(0), jax.device_put(np.zeros(b, np.int32)),
-                                    jax.device_put(np.zeros(b, bool)), scratch_offset=self.scratch_offset)
+                                    zeros, zeros, jax.device_put(np.zeros(b, bool)),
+                                    scratch_offset=self.scratch_offset)
+            if self.offloader is not None:  # loading t cached tokens into a row (scratch here)
+                cfg = self.cfg
+                blocks = np.zeros((cfg.num_layers, 2, t, cfg.num_kv_heads, cfg.head_dim),
+                                  self.kv.k[0].dtype)
+                self.kv = self._load(self.kv, jax.device_put(blocks), np.int32(0),
+                                     np.int32(self.scratch_offset))
+        if self.offloader is not None:
+            self.offloader.warmup(self.kv)
+            # what a prefill token costs, for the "time saved" metric: the largest bucket, all rows
+            t0 = time.perf_counter()
+            self.kv = self._prefill(self.params, self.kv,
+                                    jax.device_put(np.zeros((b, self.prefill_chunk), np.int32)),
+                                    zeros, zeros, jax.device_put(np.ones(b, bool)),
+                                    scratch_offset=self.scratch_offset)
+            jax.block_until_ready(self.kv)
+            self.prefill_seconds_per_token = (time.perf_counter() - t0) / (b * self.prefill_chunk)
         prompt = np.array([self.cfg.pad_token_id], np.int32)
         state = self.admit(self.empty_state(), {0: (prompt, DecodeConfig(max_new_tokens=1))})
         self.decode_call(state, 1)

@@ -10,7 +10,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, engine=None) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("mbd_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=r)
@@ -33,6 +33,37 @@ class Metrics:
                                     registry=r)
         self.compilations = Gauge("mbd_compilations", "XLA compilations in this process", registry=r)
         self.compilations.set_function(compile_stats.compiles)
+        if engine is not None and engine.prefix_store is not None:
+            self._prefix_cache(engine)
+
+    def _prefix_cache(self, engine) -> None:
+        """Gauges read from the prefix store and the offloader when scraped."""
+        r, store, off = self.registry, engine.prefix_store, engine.offloader
+        st = store.stats
+
+        def gauge(name: str, doc: str, fn) -> None:
+            Gauge(name, doc, registry=r).set_function(fn)
+
+        gauge("mbd_prefix_cache_hit_blocks", "Prompt blocks served from the prefix cache",
+              lambda: st.hits)
+        gauge("mbd_prefix_cache_miss_blocks", "Prompt blocks looked up and not found",
+              lambda: st.misses)
+        gauge("mbd_prefix_cache_hit_ratio", "hit / (hit + miss) blocks",
+              lambda: st.hits / max(st.hits + st.misses, 1))
+        tiers = Gauge("mbd_prefix_cache_bytes", "Bytes held per tier", ["tier"], registry=r)
+        tiers.labels(tier="ram").set_function(lambda: st.ram_bytes)
+        tiers.labels(tier="disk").set_function(lambda: st.disk_bytes)
+        gauge("mbd_prefix_cache_evictions", "Entries evicted (RAM LRU, disk capacity or TTL)",
+              lambda: st.evictions)
+        gauge("mbd_prefix_cache_corrupt_entries", "Disk entries that failed their checksum",
+              lambda: st.corrupt)
+        gauge("mbd_kv_offload_queue_depth", "Staged KV buffers waiting for the host drain",
+              lambda: off.stats.queue_depth)
+        gauge("mbd_kv_offload_blocking_waits", "Times the engine thread waited on a host copy",
+              lambda: off.stats.blocking_waits)
+        gauge("mbd_prefix_cache_seconds_saved", "Prefill time saved by hits (hit tokens x the "
+              "measured prefill seconds per token)",
+              lambda: engine.prefix_hit_tokens * engine.prefill_seconds_per_token)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -50,6 +50,8 @@ class Request:
     first_block: float | None = None
     sent_tokens: int = 0
     sent_text: str = ""
+    prefix: Any = None  # the prefix-cache hit prefetched while it waited (engine.PrefixHit)
+    prefetched: bool = False
 
     def emit(self, *event: Any) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -98,6 +100,8 @@ class Scheduler:
             self._stop = True
             self._lock.notify()
         self._thread.join(timeout=30)
+        if self.engine.offloader is not None:  # persist what is staged before exiting
+            self.engine.offloader.close()
 
     # ------------------------------------------------------------ the engine thread
     def _run(self) -> None:
@@ -115,6 +119,7 @@ class Scheduler:
                     if self._stop:
                         break
                 state = self._expire_and_cancel(state)
+                self._prefetch()
                 # Prefill one chunk per iteration, so a long prompt does not stall running rows
                 # for more than one chunk between their decode calls.
                 if admission is None:
@@ -159,6 +164,18 @@ class Scheduler:
             self.metrics.busy_rows.set(len(self._rows))
         return state
 
+    def _prefetch(self) -> None:
+        """Warm-up: looks the next queued requests up in the prefix cache and starts copying their
+        blocks to the device while they wait (at most one batch of rows ahead)."""
+        if self.engine.prefix_store is None:
+            return
+        with self._lock:
+            ahead = [r for q in (self._queues[False], self._queues[True]) for r in q
+                     ][: self.engine.batch_size]
+        for r in ahead:
+            if not r.prefetched:
+                r.prefix, r.prefetched = self.engine.prefetch(r.prompt), True
+
     def _begin_admission(self):
         """Moves waiting requests into free rows and starts their prefill (None if nothing to do)."""
         free = [i for i in range(self.engine.batch_size) if i not in self._rows]
@@ -186,7 +203,8 @@ class Scheduler:
             self.metrics.queue_wait.observe(now - r.arrived)
         self.metrics.busy_rows.set(len(self._rows))
         self._prefilling = set(picked)
-        return self.engine.begin_admit({row: (r.prompt, r.decode) for row, r in picked.items()})
+        return self.engine.begin_admit({row: (r.prompt, r.decode) for row, r in picked.items()},
+                                       prefetched={row: r.prefix for row, r in picked.items()})
 
     def _fetch(self, state):
         """The state on the host, without the voting trajectories ([B, steps, len]: large) unless

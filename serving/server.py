@@ -16,6 +16,7 @@ import signal
 
 import uvicorn
 
+from mbd_jax.cache.prefix_store import PrefixStore, model_identity
 from mbd_jax.checkpoint import load_model
 from mbd_jax.config import ServeConfig
 from mbd_jax.engine import Engine
@@ -54,13 +55,20 @@ def build_service(cfg: ServeConfig, api_keys: list[str], profile_dir: str = "pro
         raise UserError(f"generation.block_size {cfg.generation.block_size} does not match the "
                         f"model's block_size {model.cfg.block_size}")
     s = cfg.server
+    store = None
+    if cfg.cache.enabled:
+        c = cfg.cache
+        store = PrefixStore(model_identity(model.cfg, model.path.parent), model.cfg.block_size,
+                            ram_bytes=c.ram_capacity_mb << 20, storage_path=c.storage_path,
+                            disk_bytes=(c.disk_capacity_mb << 20) if c.storage_path else 0,
+                            ttl_s=c.ttl_s)
     limit = max(cfg.generation.max_new_tokens_limit, cfg.generation.thinking_max_new_tokens)
     engine = Engine(model.cfg, model.params, batch_size=s.max_batch_size, buffer_size=s.buffer_size,
                     prefill_chunk=min(s.prefill_chunk, model.cfg.max_seq_len),
                     tokenizer=model.tokenizer,
                     record_steps=min(cfg.decoding.max_nfe, 1024),
-                    record_len=min(limit, model.cfg.max_seq_len))
-    metrics = Metrics()
+                    record_len=min(limit, model.cfg.max_seq_len), prefix_store=store)
+    metrics = Metrics(engine)
     scheduler = Scheduler(engine, cfg, metrics)
     return Service(cfg=cfg, scheduler=scheduler, metrics=metrics, model_name=model.cfg.name,
                    api_keys=api_keys, profile_dir=pathlib.Path(profile_dir))

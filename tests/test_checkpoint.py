@@ -25,6 +25,13 @@ def test_save_and_load_model_dir(tmp_path, cfg, params):
     assert got == want
 
 
+def test_model_dir_given_as_a_relative_path(tmp_path, cfg, params, monkeypatch):
+    save_model(tmp_path / "m", dataclasses.replace(cfg, tokenizer=None), params)
+    monkeypatch.chdir(tmp_path)
+    loaded = load_model("m")  # orbax wants absolute paths; the loader makes them so
+    assert loaded.cfg.name == cfg.name and len(jax.tree.leaves(loaded.params)) > 0
+
+
 def test_model_dir_without_params_is_a_clear_error(tmp_path, cfg, params):
     out = save_model(tmp_path / "m", dataclasses.replace(cfg, tokenizer=None), params)
     import shutil

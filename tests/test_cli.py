@@ -19,7 +19,7 @@ def run(*args, timeout=300):
 
 def test_generate_json_and_profile(tmp_path):
     prof = tmp_path / "trace"
-    r = run("generate", "--prompt", "What is 12 + 30?", "--prompt-ids", "11,12,13",
+    r = run("generate", "--model", "tiny-random", "--prompt", "What is 12 + 30?", "--prompt-ids", "11,12,13",
             "--max-new-tokens", "12", "--json", "--profile", str(prof), "--seed", "3")
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in r.stdout.splitlines()]
@@ -36,11 +36,15 @@ def test_generate_json_and_profile(tmp_path):
 
 @pytest.mark.parametrize("args,needle", [
     (["generate", "--prompt", ""], "empty prompt"),
-    (["generate", "--prompt-ids", "11," * 1100], "max_seq_len is 1024"),
+    (["generate", "--prompt-ids", "11," * 1100], "max_seq_len is 256"),  # the default, tiny-mbd
     (["generate", "--model", "no-such-model", "--prompt", "hi"], "presets: "),
     (["generate", "--prompt", "hi", "--threshold", "1.5"], "'accept_threshold' must be in [0, 1]"),
     (["generate", "--prompt-ids", "1,x"], "comma-separated integers"),
     (["bench", "decode", "--buffer-size", "1,two"], "integers like 1,2,4"),
+    (["eval", "--task", "poetry"], "unknown task(s) poetry; allowed: arith, sort, reverse, recall"),
+    (["eval", "--limit", "0"], "--limit must be >= 1"),
+    (["eval", "--buffer-size", "0"], "'buffer_size' must be >= 1"),
+    (["train", "--config", "no/such.yaml"], "cannot read config file no/such.yaml"),
 ])
 def test_bad_input_gives_a_clear_error(args, needle):
     r = run(*args)

@@ -5,13 +5,13 @@ import dataclasses
 import pytest
 
 from mbd_jax.config import (DecodeConfig, ModelConfig, available_presets, decode_config,
-                            from_dict, load_model_config, MODEL_PRESET_DIR)
+                            from_dict, load_model_config, resolve_model_path, MODEL_PRESET_DIR)
 from mbd_jax.errors import ConfigError
 
 
 @pytest.mark.parametrize("name", available_presets())
-def test_every_preset_loads(name):
-    cfg = load_model_config(MODEL_PRESET_DIR / f"{name}.yaml")
+def test_every_preset_and_shipped_model_config_loads(name):
+    cfg = load_model_config(resolve_model_path(name))
     assert cfg.num_params() > 0 and cfg.active_params_per_token() <= cfg.num_params()
 
 

@@ -35,7 +35,8 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, tmp: pathlib.Path, keys: list[str], **server_overrides):
+    def __init__(self, tmp: pathlib.Path, keys: list[str], sections: dict | None = None,
+                 **server_overrides):
         self.port, self.admin_port = free_port(), free_port()
         cfg = {
             "model": "tiny-random",
@@ -45,6 +46,7 @@ class Server:
                        "steps_per_call": 8, "queue_size": 128, "max_body_bytes": 65536,
                        "max_segments": 8, **server_overrides},
             "monitoring": {"log_level": "warning"},
+            **(sections or {}),
         }
         (tmp / "serve.yaml").write_text(yaml.safe_dump(cfg))
         (tmp / "keys.txt").write_text("\n".join(keys) + "\n")
@@ -383,3 +385,33 @@ def test_voting_through_the_service(server):
     choice = r.json()["choices"][0]
     assert choice["voting"]["answer"] is not None
     assert choice["voting"]["final_answer"] is not None
+
+
+def test_shared_system_prompt_hits_the_prefix_cache_across_a_restart(tmp_path, offline):
+    """Requests sharing a long system prompt reuse its KV blocks (RAM, then disk after a
+    restart) and still equal offline generation."""
+    cache = {"cache": {"enabled": True, "storage_path": str(tmp_path / "kv"), "ram_capacity_mb": 64,
+                       "disk_capacity_mb": 64}}
+    system = "You are a careful assistant. " * 12
+    questions = ["Sort: 3 1 2", "Reverse: a b c", "What is 12+30?"]
+    messages = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
+                for q in questions]
+    expected = [r.text for r in offline([offline.tokenizer.encode(chat.render(m))
+                                         for m in messages], max_new_tokens=16)]
+    for attempt in range(2):  # the second server starts on the first one's disk tier
+        (tmp_path / f"s{attempt}").mkdir()
+        srv = Server(tmp_path / f"s{attempt}", [KEY], sections=cache)
+        try:
+            c = client(srv)
+            got = []
+            for m in messages:  # one after another: each finds the blocks the last one stored
+                r = c.chat.completions.create(model="tiny-random", messages=m, max_tokens=16)
+                got.append(r.choices[0].message.content)
+            assert got == expected
+            met = srv.metrics()
+            assert met["mbd_prefix_cache_hit_blocks"] >= (2 if attempt == 0 else 3) * 5
+            assert met['mbd_prefix_cache_bytes{"tier": "disk"}'] > 0
+            assert met["mbd_kv_offload_blocking_waits"] == 0
+            assert 0 < met["mbd_prefix_cache_hit_ratio"] <= 1
+        finally:
+            srv.stop()

@@ -21,14 +21,15 @@ ApplyFn = Callable[..., tuple[jax.Array, KVCache]]
 
 def prefill(params: Any, kv: KVCache, tokens: jax.Array, start: jax.Array, full_len: jax.Array,
             rows: jax.Array, scratch_offset: int, *, apply_fn: ApplyFn) -> KVCache:
-    """Writes the KV of prompt positions [start, start + T) for the selected rows.
+    """Writes the KV of prompt positions [start, start + T) of each selected row.
 
-    tokens: [B, T]; start: scalar; full_len: [B] length of each row's full prompt blocks; rows: [B]
+    tokens: [B, T]; start: [B] where each row's chunk begins (rows whose first blocks came from
+    the prefix cache start later); full_len: [B] length of each row's full prompt blocks; rows: [B]
     bool, rows to prefill. Other rows write to the scratch region past every real position, so a
     running row's KV is untouched (this lets the engine admit a request while others decode).
     """
     b, t = tokens.shape
-    positions = start + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     offset = jnp.where(rows, start, scratch_offset).astype(jnp.int32)
     visible = jnp.where(rows, jnp.minimum(full_len, start + t), 1).astype(jnp.int32)
     _, kv = apply_fn({"params": params}, tokens, positions, kv, offset, visible)

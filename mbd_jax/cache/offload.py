@@ -1,0 +1,180 @@
+"""Double-buffered device-to-host persistence of committed KV blocks.
+
+After every decode call the engine thread calls `after_decode`:
+
+  1. it picks the blocks committed since the last call (at most `max_blocks` per call; the rest
+     wait for the next call), keys them by their tokens, and gathers their KV on device into
+     staging buffer s (of two; the buffer is donated, so the gather writes in place) and starts
+     its device-to-host copy (`copy_to_host_async`);
+  2. it hands the *other* staging buffer, filled one call earlier, to the drain thread. Its copy
+     overlapped with the decode call that ran in between, so the drain thread (np.asarray, then
+     the store's RAM and disk tiers) finds it ready.
+
+The engine thread never waits on a host copy unless the drain thread is still busy with a buffer
+it needs again two calls later; `blocking_waits` counts such waits (the persistence-on decode
+loop should show none). Transfers are issued only from the engine thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from mbd_jax.cache.prefix_store import PrefixStore
+
+
+@dataclasses.dataclass
+class _Staged:
+    call: int  # the decode call whose committed blocks it holds
+    buffer: jax.Array  # [max_blocks, L, 2, blk, K, Dh] on device, its host copy under way
+    keys: list[str]  # one per used slot
+    handed: bool = False  # given to the drain thread
+    drained: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+@dataclasses.dataclass
+class OffloadStats:
+    staged_blocks: int = 0
+    drained_blocks: int = 0
+    blocking_waits: int = 0  # the engine thread waited for the drain thread
+    drains_not_ready: int = 0  # the drain thread found a copy still in flight
+    queue_depth: int = 0  # staged buffers not yet drained
+
+
+class KVOffloader:
+    def __init__(self, store: PrefixStore, gather: Callable[..., jax.Array], empty: Callable[[], jax.Array],
+                 batch_size: int, max_blocks: int):
+        """gather(staging, kv, rows[n], starts[n]) -> staging (jitted, staging donated);
+        empty() -> a zero staging buffer."""
+        self.store = store
+        self.block_size = store.block_size
+        self.max_blocks = max_blocks
+        self._gather = gather
+        self._buffers = [empty(), empty()]
+        self._staged: list[_Staged | None] = [None, None]
+        self._next = 0  # the staging buffer the next call fills
+        self._last: _Staged | None = None  # the most recently staged
+        self._calls = 0
+        self.offloaded = np.zeros(batch_size, np.int64)  # per row: blocks already in the store
+        self._row_keys: list[list[str]] = [[] for _ in range(batch_size)]  # per row, so far
+        self.stats = OffloadStats()
+        self.events: list[tuple[str, int, float]] = []  # (what, call, time) for tests; bounded
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._queue: list[_Staged] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._drain_loop, name="kv-offload", daemon=True)
+        self._thread.start()
+
+    def _event(self, what: str, call: int) -> None:
+        if len(self.events) < 100_000:
+            self.events.append((what, call, time.perf_counter()))
+
+    def warmup(self, kv: Any) -> None:
+        """Compiles the gather (engine warm-up)."""
+        idx = np.zeros(self.max_blocks, np.int32)
+        self._buffers[0] = self._gather(self._buffers[0], kv, idx, idx)
+        jax.block_until_ready(self._buffers[0])
+
+    def reset_row(self, row: int, blocks_present: int) -> None:
+        """A new request took `row`; its first `blocks_present` blocks came from the store."""
+        self.offloaded[row] = blocks_present
+        self._row_keys[row] = []
+
+    def decode_issued(self) -> None:
+        """The engine dispatched a decode call (for the overlap timeline)."""
+        self._event("decode", self._calls)
+
+    def after_decode(self, kv: Any, cached_len: np.ndarray, canvas: np.ndarray) -> None:
+        """Engine thread, right after a decode call: stage the blocks each row committed since
+        (free rows have none), then hand the previous staging buffer to the drain thread."""
+        self._calls += 1
+        rows, starts, keys = [], [], []
+        for row in range(len(cached_len)):
+            done_blocks = int(cached_len[row]) // self.block_size
+            first = int(self.offloaded[row])
+            if done_blocks <= first:
+                continue
+            row_keys = self._row_keys[row] = self.store.keys(
+                canvas[row, : done_blocks * self.block_size], self._row_keys[row])
+            take = min(done_blocks, first + self.max_blocks - len(rows))
+            for b in range(first, take):
+                if row_keys[b] in self.store:  # e.g. blocks another request already stored
+                    continue
+                rows.append(row)
+                starts.append(b * self.block_size)
+                keys.append(row_keys[b])
+            self.offloaded[row] = take
+            if len(rows) == self.max_blocks:
+                break
+        prev = self._last  # staged after the previous call: its copy overlapped this call
+        if rows:
+            self._stage(rows, starts, keys, kv)
+        if prev is not None and not prev.handed:
+            self._hand_over(prev)
+
+    def _stage(self, rows: list[int], starts: list[int], keys: list[str], kv: Any) -> None:
+        s = self._next
+        old = self._staged[s]
+        if old is not None and not old.drained.is_set():  # the drain thread still reads it
+            if not old.handed:
+                self._hand_over(old)
+            self.stats.blocking_waits += 1
+            old.drained.wait()
+        pad = self.max_blocks - len(rows)
+        buf = self._gather(self._buffers[s], kv, np.array(rows + [0] * pad, np.int32),
+                           np.array(starts + [0] * pad, np.int32))
+        buf.copy_to_host_async()
+        self._buffers[s] = buf
+        self._staged[s] = self._last = _Staged(self._calls, buf, keys)
+        self._event("staged", self._calls)
+        self.stats.staged_blocks += len(keys)
+        self._next = 1 - s
+
+    def _hand_over(self, staged: _Staged) -> None:
+        staged.handed = True
+        with self._work:
+            self._queue.append(staged)
+            self.stats.queue_depth = len(self._queue)
+            self._work.notify()
+
+    def flush(self) -> None:
+        """Hands over and drains everything staged (tests, shutdown)."""
+        for staged in self._staged:
+            if staged is not None and not staged.drained.is_set():
+                if not staged.handed:
+                    self._hand_over(staged)
+                staged.drained.wait()
+
+    def close(self) -> None:
+        self.flush()
+        with self._work:
+            self._closed = True
+            self._work.notify()
+        self._thread.join(timeout=10)
+
+    def _drain_loop(self) -> None:
+        while True:
+            with self._work:
+                while not self._queue and not self._closed:
+                    self._work.wait()
+                if self._closed and not self._queue:
+                    return
+                staged = self._queue[0]
+            self._event("drain", staged.call)
+            if not staged.buffer.is_ready():
+                self.stats.drains_not_ready += 1
+            host = np.asarray(staged.buffer)
+            for i, key in enumerate(staged.keys):
+                self.store.put(key, host[i].copy())
+            self.stats.drained_blocks += len(staged.keys)
+            with self._work:
+                self._queue.pop(0)
+                self.stats.queue_depth = len(self._queue)
+            staged.drained.set()

@@ -1,0 +1,90 @@
+"""The eval harness: exact-match accuracy, TPF and tokens/s of a model on a held-out task split.
+
+    mbd-jax eval --model tiny-mbd --task arith --limit 200 --buffer-size 2 --json
+
+Every prompt of the split is decoded with the same DecodeConfig, `batch_size` rows at a time, on
+an engine compiled for `decode.buffer_size` and warmed up first (so tokens/s excludes compiling).
+TPF is generated tokens over decode forwards, summed over the split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from mbd_jax.checkpoint import LoadedModel
+from mbd_jax.config import DecodeConfig
+from mbd_jax.engine import Engine
+from mbd_jax.errors import UserError
+from mbd_jax.train import tasks
+
+
+@dataclasses.dataclass
+class EvalReport:
+    model: str
+    task: str  # a task name, or the comma-separated tasks pooled together
+    n: int
+    accuracy: float
+    tpf: float
+    tokens_per_s: float
+    tokens: int
+    nfe: int
+    seconds: float
+    buffer_size: int
+    accept_threshold: float
+    wrong: list[dict[str, str]]  # a few failures, for reading
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def task_names(task: str, limit: int) -> list[str]:
+    """`task` (a name, a comma-separated list, or `all`) as task names; checks `limit` too."""
+    names = list(tasks.TASKS) if task == "all" else task.split(",")
+    tasks.check_tasks(names, where="--task")
+    if limit < 1:
+        raise UserError(f"--limit must be >= 1, got {limit}")
+    return names
+
+
+def evaluate(model: LoadedModel, task: str, decode: DecodeConfig, *, limit: int = 100,
+             batch_size: int = 16, seed: int = 1234, progress: bool = False,
+             engine: Engine | None = None) -> EvalReport:
+    """Decodes the first `limit` held-out examples of each task in `task` (a name, a comma-separated
+    list, or `all`); `engine` may be reused across calls (compiled for >= decode.buffer_size)."""
+    from tqdm import tqdm
+
+    names = task_names(task, limit)
+    if model.tokenizer is None:
+        raise UserError(f"--model {model.path}: eval needs a model with a tokenizer")
+    examples = [ex for name in names for ex in tasks.heldout(name, limit, seed)]
+    if engine is None:
+        engine = Engine(model.cfg, model.params, batch_size=batch_size,
+                        buffer_size=decode.buffer_size, tokenizer=model.tokenizer)
+        engine.warmup()
+    engine.check_decode(decode, where="decoding")
+    prompts = [model.tokenizer.encode(ex.prompt) for ex in examples]
+    correct = tokens = nfe = 0
+    seconds = 0.0
+    wrong: list[dict[str, str]] = []
+    bar = tqdm(total=len(examples), disable=not progress, unit="ex", desc=f"{task} N{decode.buffer_size}")
+    for s in range(0, len(examples), engine.batch_size):
+        t0 = time.perf_counter()
+        results = engine.generate(prompts[s: s + engine.batch_size], decode)
+        seconds += time.perf_counter() - t0
+        for ex, r in zip(examples[s: s + engine.batch_size], results):
+            ok = ex.is_correct(r.text)
+            correct += ok
+            tokens += len(r.token_ids)
+            nfe += r.nfe
+            if not ok and len(wrong) < 5:
+                wrong.append({"prompt": ex.prompt, "expected": ex.answer, "got": r.text})
+        bar.update(len(results))
+        bar.set_postfix(acc=f"{correct / (s + len(results)):.3f}", tpf=f"{tokens / max(nfe, 1):.2f}")
+    bar.close()
+    return EvalReport(model=model.cfg.name, task=",".join(names), n=len(examples),
+                      accuracy=correct / len(examples), tpf=tokens / max(nfe, 1),
+                      tokens_per_s=tokens / seconds, tokens=tokens, nfe=nfe,
+                      seconds=round(seconds, 3), buffer_size=decode.buffer_size,
+                      accept_threshold=decode.accept_threshold, wrong=wrong)

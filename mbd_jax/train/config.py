@@ -1,0 +1,72 @@
+"""TrainConfig: one training run (configs/train/*.yaml), validated at load."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Literal
+
+from mbd_jax.config import REPO_ROOT, _check, from_dict, load_yaml
+from mbd_jax.train.tasks import TASKS
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    name: str  # the trained model's name (written into its config.yaml)
+    # Architecture: a preset / YAML (random init) or a model directory (start from its weights).
+    model: str
+    output: str  # the model directory written at the end (relative paths: to the repo root)
+    tasks: tuple[str, ...] = ("arith", "sort", "reverse", "recall")
+    # Objective: block diffusion is MultiTF with groups of one block (g_max 1).
+    objective: Literal["bd", "multitf"] = "bd"
+    g_max: int = 1  # multitf: largest noise group (= the N_buf it prepares for)
+    n_random_layouts: int = 1  # multitf: random layouts per example, beside the systematic ones
+    weighting: Literal["llada2", "sdar"] = "llada2"  # mean over masked, or 1/t self-normalised
+    seq_len: int = 48  # tokens per example (prompt + answer + EOS padding), multiple of block
+    batch_size: int = 32  # examples per step (rows = examples x layouts)
+    steps: int = 1000
+    learning_rate: float = 3e-3
+    warmup_steps: int = 50
+    end_lr_fraction: float = 0.1  # cosine decays to learning_rate * this
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+    b2: float = 0.98
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"  # parameters stay float32
+    seed: int = 0
+    data_parallel: int = -1  # devices on the mesh's data axis; -1 = all local devices
+    checkpoint_dir: str | None = None  # orbax CheckpointManager directory (resume from it)
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 2
+    log_every: int = 10
+
+    def validate(self, where: str = "train") -> None:
+        bad = [t for t in self.tasks if t not in TASKS]
+        _check(not bad and len(self.tasks) > 0, where,
+               f"field 'tasks' has unknown task(s) {bad}; allowed: {', '.join(TASKS)}")
+        _check(self.g_max >= 1, where, f"field 'g_max' must be >= 1, got {self.g_max}")
+        _check(self.objective == "multitf" or self.g_max == 1, where,
+               "objective 'bd' trains one block per noise group: set g_max 1 or objective multitf")
+        _check(self.objective == "bd" or self.g_max >= 2, where,
+               "objective 'multitf' needs g_max >= 2")
+        for f in ("seq_len", "batch_size", "steps", "checkpoint_every", "keep_checkpoints",
+                  "log_every"):
+            _check(getattr(self, f) >= 1, where, f"field '{f}' must be >= 1, got {getattr(self, f)}")
+        _check(self.n_random_layouts >= 0 and self.warmup_steps >= 0, where,
+               "fields 'n_random_layouts' and 'warmup_steps' must be >= 0")
+        _check(self.learning_rate > 0 and 0 <= self.end_lr_fraction <= 1, where,
+               "field 'learning_rate' must be > 0 and 'end_lr_fraction' in [0, 1]")
+        _check(self.weight_decay >= 0 and self.clip_norm > 0 and 0 < self.b2 < 1, where,
+               "need weight_decay >= 0, clip_norm > 0, 0 < b2 < 1")
+        _check(self.data_parallel == -1 or self.data_parallel >= 1, where,
+               "field 'data_parallel' must be >= 1 or -1 (all devices)")
+
+    def path(self, p: str) -> pathlib.Path:
+        q = pathlib.Path(p)
+        return q if q.is_absolute() else REPO_ROOT / q
+
+
+def load_train_config(path: str | pathlib.Path, **overrides) -> TrainConfig:
+    data = load_yaml(pathlib.Path(path)) or {}
+    if isinstance(data, dict):
+        data.update({k: v for k, v in overrides.items() if v is not None})
+    return from_dict(TrainConfig, data, where=str(path))

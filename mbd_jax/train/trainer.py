@@ -1,0 +1,220 @@
+"""The trainer: optax AdamW, a jitted data-parallel train step, orbax checkpoints that resume exactly.
+
+    trainer = Trainer(tcfg, model_cfg, params, tokenizer)
+    trainer.restore()            # from tcfg.checkpoint_dir's latest step, if any
+    trainer.fit()                # to tcfg.steps, with a progress bar and periodic checkpoints
+    trainer.export()             # a model directory (config.yaml, params/, tokenizer, manifest)
+
+The batch of step s depends only on (seed, s), so a resumed run sees exactly the batches an
+uninterrupted one would. Parameters and optimizer state are replicated over the mesh's `data`
+axis and the batch rows are split over it; XLA inserts the gradient all-reduce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+import shutil
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from mbd_jax.checkpoint import save_model, write_manifest
+from mbd_jax.config import ModelConfig
+from mbd_jax.errors import UserError
+from mbd_jax.model.transformer import Transformer
+from mbd_jax.tokenizer import Tokenizer
+from mbd_jax.train import objective, tasks
+from mbd_jax.train.config import TrainConfig
+
+
+def encode(tokenizer: Tokenizer, ex: tasks.Example, seq_len: int, eos: int
+           ) -> tuple[np.ndarray, int]:
+    """prompt + answer + EOS, padded with EOS to seq_len -> (tokens [L] int32, prompt length)."""
+    prompt, answer = tokenizer.encode(ex.prompt), tokenizer.encode(ex.answer)
+    ids = prompt + answer + [eos]
+    if len(ids) > seq_len:
+        raise UserError(f"seq_len {seq_len}: a {ex.task} example needs {len(ids)} tokens")
+    return np.array(ids + [eos] * (seq_len - len(ids)), np.int32), len(prompt)
+
+
+def batch_for_step(tcfg: TrainConfig, cfg: ModelConfig, tokenizer: Tokenizer, step: int
+                   ) -> objective.Batch:
+    """The training batch of `step`: a pure function of (tcfg.seed, step)."""
+    stream = tasks.examples(tcfg.tasks, seed=(tcfg.seed, step))
+    rows = [encode(tokenizer, next(stream), tcfg.seq_len, cfg.eos_token_ids[0])
+            for _ in range(tcfg.batch_size)]
+    rng = np.random.default_rng((tcfg.seed, step, 1))
+    return objective.make_batch(rows, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
+                                g_max=tcfg.g_max, n_random=tcfg.n_random_layouts, rng=rng)
+
+
+def make_optimizer(tcfg: TrainConfig) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, tcfg.learning_rate, tcfg.warmup_steps, max(tcfg.steps, tcfg.warmup_steps + 1),
+        end_value=tcfg.learning_rate * tcfg.end_lr_fraction)
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)  # noqa: E731  no norms
+    return optax.chain(optax.clip_by_global_norm(tcfg.clip_norm),
+                       optax.adamw(schedule, b2=tcfg.b2, weight_decay=tcfg.weight_decay,
+                                   mask=decay_mask))
+
+
+def data_mesh(n: int = -1, devices: list | None = None) -> Mesh:
+    devices = list(devices if devices is not None else jax.devices())
+    n = len(devices) if n == -1 else n
+    if n > len(devices):
+        raise UserError(f"data_parallel {n}: only {len(devices)} devices are present")
+    return Mesh(np.array(devices[:n]), ("data",))
+
+
+def train_step(state: dict, batch: dict, *, model: Transformer, tx: optax.GradientTransformation,
+               block_size: int, weighting: str) -> tuple[dict, dict]:
+    loss = functools.partial(objective.loss_fn, model=model, block_size=block_size,
+                             weighting=weighting)
+    grads, metrics = jax.grad(lambda p: loss(p, batch=batch), has_aux=True)(state["params"])
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+
+class Trainer:
+    def __init__(self, tcfg: TrainConfig, cfg: ModelConfig, params: Any, tokenizer: Tokenizer,
+                 mesh: Mesh | None = None):
+        self.tcfg = tcfg
+        self.cfg = dataclasses.replace(cfg, name=tcfg.name, compute_dtype=tcfg.compute_dtype)
+        self.tokenizer = tokenizer
+        if tcfg.seq_len % cfg.block_size or tcfg.seq_len > cfg.max_seq_len:
+            raise UserError(f"seq_len {tcfg.seq_len}: must be a multiple of block_size "
+                            f"({cfg.block_size}) and <= max_seq_len ({cfg.max_seq_len})")
+        self.mesh = mesh or data_mesh(tcfg.data_parallel)
+        rows = tcfg.batch_size * len(objective.layouts(tcfg.seq_len // cfg.block_size, tcfg.g_max,
+                                                       tcfg.n_random_layouts,
+                                                       np.random.default_rng(0)))
+        if rows % self.mesh.size:
+            raise UserError(f"batch_size: {rows} rows per step do not split over "
+                            f"{self.mesh.size} data-parallel devices")
+        self.replicated = NamedSharding(self.mesh, P())
+        self.batch_sharding = NamedSharding(self.mesh, P("data"))
+        self.tx = make_optimizer(tcfg)
+        params = jax.device_put(jax.tree.map(lambda p: jnp.array(p, jnp.float32), params),  # a copy: donated
+                                self.replicated)
+        self.state = {"params": params,
+                      "opt_state": jax.jit(self.tx.init, out_shardings=self.replicated)(params),
+                      "step": jax.device_put(jnp.int32(0), self.replicated)}
+        self._step = jax.jit(
+            functools.partial(train_step, model=Transformer(self.cfg), tx=self.tx,
+                              block_size=cfg.block_size, weighting=tcfg.weighting),
+            in_shardings=(self.replicated, self.batch_sharding),
+            out_shardings=(self.replicated, self.replicated), donate_argnums=0)
+        self._manager = None
+        if tcfg.checkpoint_dir:
+            import orbax.checkpoint as ocp
+
+            self._manager = ocp.CheckpointManager(
+                tcfg.path(tcfg.checkpoint_dir).absolute(),
+                options=ocp.CheckpointManagerOptions(max_to_keep=tcfg.keep_checkpoints))
+        self.history: list[dict[str, float]] = []  # per logged step
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+    def restore(self) -> bool:
+        """Loads the latest checkpoint, if there is one; True when it did."""
+        if self._manager is None or self._manager.latest_step() is None:
+            return False
+        import orbax.checkpoint as ocp
+
+        abstract = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.replicated), self.state)
+        self.state = self._manager.restore(self._manager.latest_step(),
+                                           args=ocp.args.StandardRestore(abstract))
+        return True
+
+    def save_checkpoint(self) -> None:
+        import orbax.checkpoint as ocp
+
+        if self._manager is not None:
+            self._manager.save(self.step, args=ocp.args.StandardSave(self.state), force=True)
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step on the batch of the current step; returns its metrics."""
+        batch = batch_for_step(self.tcfg, self.cfg, self.tokenizer, self.step)
+        arrays = {k: jax.device_put(v, self.batch_sharding) for k, v in batch.as_dict().items()}
+        self.state, metrics = self._step(self.state, arrays)
+        return {k: float(v) for k, v in metrics.items()}
+
+    def fit(self, steps: int | None = None, progress: bool = True) -> list[dict[str, float]]:
+        """Trains until step `steps` (default tcfg.steps), checkpointing every checkpoint_every."""
+        from tqdm import tqdm
+
+        tcfg = self.tcfg
+        end = tcfg.steps if steps is None else steps
+        tokens_per_step = tcfg.batch_size * tcfg.seq_len
+        bar = tqdm(total=end, initial=self.step, disable=not progress, unit="step",
+                   dynamic_ncols=True)
+        t_last, n_since = time.perf_counter(), 0
+        while self.step < end:
+            metrics = self.train_step()
+            n_since += 1
+            bar.update(1)
+            if self.step % tcfg.log_every == 0 or self.step == end:
+                now = time.perf_counter()
+                metrics["tokens_per_s"] = tokens_per_step * n_since / (now - t_last)
+                metrics["step"] = self.step
+                t_last, n_since = now, 0
+                self.history.append(metrics)
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['token_acc']:.2f}",
+                                tok_s=f"{metrics['tokens_per_s']:.0f}")
+            if self._manager is not None and (self.step % tcfg.checkpoint_every == 0
+                                              or self.step == end):
+                self.save_checkpoint()
+        bar.close()
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+        return self.history
+
+    def export(self, out_dir: str | pathlib.Path | None = None, info: dict | None = None
+               ) -> pathlib.Path:
+        """Writes the trained model directory (float32 parameters; float32 compute)."""
+        out = self.tcfg.path(str(out_dir or self.tcfg.output))
+        if out.exists():
+            shutil.rmtree(out)
+        tok_name = None
+        if self.cfg.tokenizer:
+            src = pathlib.Path(self.cfg.tokenizer)
+            out.mkdir(parents=True)
+            tok_name = "tokenizer" + src.suffix
+            shutil.copy2(src, out / tok_name)
+        cfg = dataclasses.replace(self.cfg, tokenizer=tok_name, compute_dtype="float32")
+        params = jax.device_get(self.state["params"])
+        save_model(out, cfg, params)
+        write_manifest(out, {"trained_by": "mbd-jax train", "steps": self.step,
+                             "train_config": dataclasses.asdict(self.tcfg), **(info or {})})
+        return out
+
+
+def run_training(tcfg: TrainConfig, progress: bool = True) -> pathlib.Path:
+    """`mbd-jax train`: load the starting model, resume if a checkpoint exists, fit, export."""
+    from mbd_jax.checkpoint import load_model
+
+    model = load_model(tcfg.model)
+    if model.tokenizer is None:
+        raise UserError(f"model {tcfg.model}: training needs a tokenizer in its config")
+    cfg = dataclasses.replace(model.cfg, tokenizer=str((model.path.parent / model.cfg.tokenizer)
+                                                       .resolve()))
+    trainer = Trainer(tcfg, cfg, model.params, model.tokenizer)
+    resumed = trainer.restore()
+    t0 = time.perf_counter()
+    history = trainer.fit(progress=progress)
+    final = history[-1] if history else {}
+    return trainer.export(info={"resumed": resumed, "seconds": round(time.perf_counter() - t0, 1),
+                                "final_loss": final.get("loss"),
+                                "final_token_acc": final.get("token_acc")})

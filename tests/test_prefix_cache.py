@@ -1,0 +1,216 @@
+"""KV persistence: the prefix store's tiers (capacity, LRU, TTL, corruption, restart) and the
+engine's cache path (exactness against a cold prefill, restart reuse, overlap of the offload)."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import numpy as np
+import pytest
+
+from mbd_jax.cache.prefix_store import PrefixStore, block_keys
+from mbd_jax.config import DecodeConfig
+from mbd_jax.engine import Engine
+from mbd_jax.model.transformer import Transformer
+from tests.conftest import tiny_cfg, tiny_params
+
+ENTRY = (3, 2, 8, 2, 16)  # [L, 2, blk, K, Dh] of the tiny preset
+ENTRY_BYTES = int(np.prod(ENTRY)) * 4
+
+
+def entry(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(ENTRY).astype(np.float32)
+
+
+class Clock:
+    def __init__(self):
+        import time
+
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_keys_chain_the_whole_prefix():
+    a = block_keys("m", list(range(24)), 8)
+    b = block_keys("m", list(range(16)) + [99] * 8, 8)
+    assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]
+    assert block_keys("m", [5] + list(range(1, 24)), 8)[1] != a[1]  # block 1 depends on block 0
+    assert block_keys("other-model", list(range(24)), 8)[0] != a[0]
+    assert block_keys("m", list(range(24)), 8, known=a[:1]) == a
+
+
+def test_ram_tier_respects_its_bytes_in_lru_order():
+    store = PrefixStore("m", 8, ram_bytes=3 * ENTRY_BYTES)
+    for i in range(3):
+        store.put(f"k{i}", entry(i))
+    assert store.get("k0") is not None  # k0 becomes the most recently used
+    store.put("k3", entry(3))
+    assert store.stats.ram_bytes <= 3 * ENTRY_BYTES and store.stats.evictions == 1
+    assert store.get("k1") is None  # the least recently used went first
+    np.testing.assert_array_equal(store.get("k0"), entry(0))
+    for i in range(4, 20):
+        store.put(f"k{i}", entry(i))
+        assert store.stats.ram_bytes <= 3 * ENTRY_BYTES
+
+
+def test_disk_tier_survives_a_restart_and_expires(tmp_path):
+    clock = Clock()
+    first = PrefixStore("m", 8, ram_bytes=ENTRY_BYTES, storage_path=tmp_path,
+                        disk_bytes=10 * ENTRY_BYTES, ttl_s=60, clock=clock)
+    for i in range(3):
+        first.put(f"k{i}", entry(i))
+    second = PrefixStore("m", 8, ram_bytes=ENTRY_BYTES, storage_path=tmp_path,
+                         disk_bytes=10 * ENTRY_BYTES, ttl_s=60, clock=clock)
+    assert second.stats.disk_bytes > 3 * ENTRY_BYTES
+    for i in range(3):
+        np.testing.assert_array_equal(second.get(f"k{i}"), entry(i))
+    other_model = PrefixStore("m2", 8, ram_bytes=ENTRY_BYTES, storage_path=tmp_path,
+                              disk_bytes=10 * ENTRY_BYTES)
+    assert other_model.get("k0") is None
+    clock.now += 61
+    third = PrefixStore("m", 8, ram_bytes=ENTRY_BYTES, storage_path=tmp_path,
+                        disk_bytes=10 * ENTRY_BYTES, ttl_s=60, clock=clock)
+    assert third.get("k1") is None and third.stats.evictions == 1  # expired: dropped, not used
+
+
+def test_disk_tier_capacity_drops_the_oldest(tmp_path):
+    store = PrefixStore("m", 8, ram_bytes=0, storage_path=tmp_path, disk_bytes=3 * ENTRY_BYTES + 500)
+    for i in range(6):
+        store.put(f"k{i}", entry(i))
+        files = list(tmp_path.rglob("*.kv"))
+        assert sum(f.stat().st_size for f in files) <= 3 * ENTRY_BYTES + 500
+    assert store.get("k0") is None and store.get("k5") is not None
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_corrupt_entry_is_detected_ignored_and_rewritten(tmp_path, damage, caplog):
+    store = PrefixStore("m", 8, ram_bytes=0, storage_path=tmp_path, disk_bytes=1 << 20)
+    store.put("k0", entry(0))
+    (path,) = tmp_path.rglob("k0.kv")
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data[-7] ^= 0x10
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="mbd_jax.cache"):
+        assert store.get("k0") is None
+    assert store.stats.corrupt == 1 and "corrupt" in caplog.text and not path.exists()
+    store.put("k0", entry(0))  # the next offload of that block rewrites it
+    np.testing.assert_array_equal(store.get("k0"), entry(0))
+
+
+def test_unwritable_disk_warns_and_ram_keeps_serving(tmp_path, caplog):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache directory should be")
+    with caplog.at_level(logging.WARNING, logger="mbd_jax.cache"):
+        store = PrefixStore("m", 8, ram_bytes=1 << 20, storage_path=blocker, disk_bytes=1 << 20)
+        store.put("k0", entry(0))
+    assert "serving continues from RAM" in caplog.text and store.stats.disk_errors >= 1
+    np.testing.assert_array_equal(store.get("k0"), entry(0))
+
+
+# ------------------------------------------------------------------------------- the engine
+
+def make_engine(store=None, batch=2):
+    cfg, params = tiny_cfg(), tiny_params()
+    engine = Engine(cfg, params, batch_size=batch, buffer_size=2, prefill_chunk=32,
+                    prefix_store=store)
+    engine.warmup()
+    return engine
+
+
+def first_step_logits(engine: Engine, prompt: list[int], row: int = 0) -> np.ndarray:
+    """Admits `prompt` into `row` and returns the logits of the first decode forward over its
+    window, computed from the engine's KV buffer (the prefilled or cache-loaded prefix)."""
+    cfg = engine.cfg
+    state = engine.admit(engine.empty_state(), {row: (prompt, DecodeConfig(buffer_size=2))})
+    host = jax.device_get(state)
+    start = int(host.cached_len[row])
+    window = host.canvas[row:row + 1, start:start + 2 * cfg.block_size]
+    pos = start + np.arange(window.shape[1], dtype=np.int32)[None]
+    kv = jax.tree.map(lambda a: a[row:row + 1], engine.kv)
+    logits, _ = Transformer(cfg).apply({"params": engine.params}, window, pos, kv,
+                                       np.array([start], np.int32),
+                                       np.array([start + window.shape[1]], np.int32))
+    return np.asarray(logits[0])
+
+
+PROMPT_LEN = 45  # 5 full blocks of 8 and a partial one
+
+
+def prompts():
+    rng = np.random.default_rng(0)
+    shared = rng.integers(10, 500, size=PROMPT_LEN).tolist()
+    other = shared[:33] + rng.integers(10, 500, size=12).tolist()  # shares 4 blocks
+    return shared, other
+
+
+def test_cache_hit_is_exact_and_survives_a_restart(tmp_path):
+    shared, other = prompts()
+    d = DecodeConfig(buffer_size=2, max_new_tokens=16)
+    cold = make_engine()
+    cold_out = [r.token_ids for r in cold.generate([shared, other], d)]
+    cold_logits = [first_step_logits(cold, p) for p in (shared, other)]
+
+    store = PrefixStore("tiny", 8, ram_bytes=1 << 24, storage_path=tmp_path, disk_bytes=1 << 24)
+    warm = make_engine(store)
+    assert warm.generate([shared], d)[0].token_ids == cold_out[0]  # miss: stores its blocks
+    warm.offloader.flush()
+    assert store.stats.hits == 0 and len(list(tmp_path.rglob("*.kv"))) >= 5
+    hit_out = [r.token_ids for r in warm.generate([shared, other], d)]
+    assert store.stats.hits == 5 + 4  # every full prompt block of `shared`, 4 of `other`
+    assert hit_out == cold_out
+    for p, ref in zip((shared, other), cold_logits):
+        np.testing.assert_array_equal(first_step_logits(warm, p), ref)
+
+    # a second engine on the same storage path (a restart) reuses the first one's blocks
+    warm.offloader.close()
+    store2 = PrefixStore("tiny", 8, ram_bytes=1 << 24, storage_path=tmp_path, disk_bytes=1 << 24)
+    again = make_engine(store2)
+    assert [r.token_ids for r in again.generate([shared, other], d)] == cold_out
+    # all 5 full blocks of both prompts now: the warm engine stored `other`'s fifth block too
+    assert store2.stats.hits == 10 and store2.stats.misses == 0 and store2.stats.ram_bytes > 0
+    np.testing.assert_array_equal(first_step_logits(again, other), cold_logits[1])
+
+
+def test_offload_overlaps_the_decode_loop():
+    """With persistence on, the engine thread never waits on a host copy: each staged buffer is
+    drained only after the next decode call was issued, and both staging buffers alternate."""
+    store = PrefixStore("tiny", 8, ram_bytes=1 << 24)
+    engine = make_engine(store, batch=4)
+    rng = np.random.default_rng(3)
+    ps = [rng.integers(10, 500, size=int(n)).tolist() for n in (20, 37, 51, 64)]
+    engine.steps_per_call = 2  # many decode calls, blocks committed in most of them
+    engine.generate(ps, DecodeConfig(buffer_size=2, max_new_tokens=40))
+    engine.offloader.flush()
+    off = engine.offloader
+    assert off.stats.blocking_waits == 0, (off.stats, off.events)
+    assert off.stats.staged_blocks == off.stats.drained_blocks > 10, off.stats
+    decode_t = {c: t for what, c, t in off.events if what == "decode"}
+    drained = [(c, t) for what, c, t in off.events if what == "drain"]
+    staged_calls = [c for what, c, _ in off.events if what == "staged"]
+    assert len(drained) == len(staged_calls) > 5, off.events
+    for c, t in drained[:-1]:  # the last one is drained by flush()
+        assert c in decode_t and t > decode_t[c], ("drained before the next decode call", off.events)
+    assert len(store._ram) == off.stats.drained_blocks, (len(store._ram), off.stats)
+
+
+def test_warm_engine_with_a_cache_compiles_nothing_new():
+    from mbd_jax import compile_stats
+
+    store = PrefixStore("tiny", 8, ram_bytes=1 << 24)
+    engine = make_engine(store, batch=2)
+    before = compile_stats.compiles()
+    rng = np.random.default_rng(5)
+    shared = rng.integers(10, 500, size=120).tolist()  # hits span several load chunks / buckets
+    d = DecodeConfig(buffer_size=2, max_new_tokens=12)
+    engine.generate([shared[:70], shared[:17]], d)  # misses
+    engine.offloader.flush()
+    engine.generate([shared[:70] + [7, 8, 9], shared + [3]], d)  # hits of 8 and 8+ blocks
+    engine.offloader.flush()
+    assert store.stats.hits >= 8
+    assert compile_stats.compiles() == before

@@ -1,0 +1,100 @@
+"""The shape of the MBD paper's Table 1 on the shipped tiny models, in one run on the same prompts.
+
+    python tools/table1.py [--limit 50] [--thresholds 0.5,0.7,0.8,0.9,0.95,0.99] [--plot docs/table1.png]
+
+Rows: SingleBD (tiny-bd, N_buf 1), training-free MultiBD (tiny-bd, N_buf 2), MBD (tiny-mbd,
+N_buf 2), and tiny-mbd with SingleBD for reference. Columns: accuracy, TPF, tokens/s on the pooled
+held-out split of every task (`limit` prompts per task). The main table uses accept threshold 0.95;
+every threshold in --thresholds gives one point of the accuracy-vs-TPF plot. Prints JSON (stdout)
+and a table (stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+ROWS = [  # (label, model, N_buf)
+    ("SingleBD", "tiny-bd", 1),
+    ("training-free MultiBD", "tiny-bd", 2),
+    ("MBD (MultiTF)", "tiny-mbd", 2),
+    ("tiny-mbd SingleBD", "tiny-mbd", 1),
+]
+
+
+def main() -> None:
+    from mbd_jax.checkpoint import load_model
+    from mbd_jax.config import decode_config
+    from mbd_jax.engine import Engine
+    from mbd_jax.evaluate import evaluate
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--limit", type=int, default=50, help="held-out prompts per task")
+    ap.add_argument("--thresholds", default="0.5,0.7,0.8,0.9,0.95,0.99")
+    ap.add_argument("--main-threshold", type=float, default=0.95)
+    ap.add_argument("--add-block-threshold", type=float, default=0.1)
+    ap.add_argument("--semi-complete-threshold", type=float, default=0.25)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--plot", help="write the accuracy-vs-TPF plot here (PNG)")
+    args = ap.parse_args()
+    thresholds = sorted({float(t) for t in args.thresholds.split(",")} | {args.main_threshold})
+
+    models = {name: load_model(name) for name in {m for _, m, _ in ROWS}}
+    out = []
+    for label, name, n_buf in ROWS:
+        model = models[name]
+        engine = Engine(model.cfg, model.params, batch_size=args.batch_size, buffer_size=n_buf,
+                        tokenizer=model.tokenizer)
+        engine.warmup()
+        for tau in thresholds:
+            decode = decode_config(buffer_size=n_buf, accept_threshold=tau,
+                                   add_block_threshold=args.add_block_threshold,
+                                   semi_complete_threshold=args.semi_complete_threshold,
+                                   max_new_tokens=32)
+            r = evaluate(model, "all", decode, limit=args.limit, engine=engine)
+            out.append({"row": label, "model": name, "buffer_size": n_buf, "accept_threshold": tau,
+                        "accuracy": r.accuracy, "tpf": r.tpf, "tokens_per_s": r.tokens_per_s,
+                        "n": r.n})
+            print(f"{label:24s} tau={tau:.2f} acc={r.accuracy:.3f} tpf={r.tpf:.2f} "
+                  f"tok/s={r.tokens_per_s:.0f}", file=sys.stderr, flush=True)
+    main_rows = [o for o in out if o["accept_threshold"] == args.main_threshold]
+    base = main_rows[0]
+    print(f"\naccept threshold {args.main_threshold}, {base['n']} prompts "
+          f"({args.limit} per task)\n", file=sys.stderr)
+    print("| row | model | N_buf | accuracy | TPF | tokens/s | TPF / SingleBD | tokens/s / SingleBD |\n"
+          "|---|---|---|---|---|---|---|---|", file=sys.stderr)
+    for o in main_rows:
+        print(f"| {o['row']} | {o['model']} | {o['buffer_size']} | {100 * o['accuracy']:.1f} | "
+              f"{o['tpf']:.2f} | {o['tokens_per_s']:.0f} | {o['tpf'] / base['tpf']:.2f}x | "
+              f"{o['tokens_per_s'] / base['tokens_per_s']:.2f}x |", file=sys.stderr)
+    print(json.dumps({"limit_per_task": args.limit, "add_block_threshold": args.add_block_threshold,
+                      "semi_complete_threshold": args.semi_complete_threshold, "results": out}))
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for label, _, _ in ROWS:
+            pts = [o for o in out if o["row"] == label]
+            ax.plot([p["tpf"] for p in pts], [100 * p["accuracy"] for p in pts], "o-", label=label)
+        ax.set_xlabel("tokens per forward (TPF)")
+        ax.set_ylabel("exact-match accuracy (%)")
+        accs = [100 * o["accuracy"] for o in out]
+        ax.set_ylim(max(0, min(accs) - 5), min(100, max(accs) + 5))
+        ax.set_title("held-out tasks, one point per accept threshold", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+        print(f"wrote {args.plot}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
