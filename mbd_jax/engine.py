@@ -85,7 +85,6 @@ class Admission:
     full_len: np.ndarray  # [B] full prompt blocks to prefill per row
     fresh: DecodeState
     start: np.ndarray  # [B] prompt positions [0, start) of each row are in the KV buffer
-    hit_tokens: int = 0  # prompt tokens that came from the prefix cache
 
 
 def _merge_rows(old: DecodeState, new: DecodeState, rows: jax.Array) -> DecodeState:
@@ -382,8 +381,7 @@ class Engine:
                 start[row] = self._load_prefix(row, prompts[row], (prefetched or {}).get(row))
         self.prefix_hit_tokens += int(start.sum())
         return Admission(rows=rows, prompts=prompts, full_len=self._full_len(prompts, rows),
-                         fresh=self.initial_state(prompts, decodes), start=start,
-                         hit_tokens=int(start.sum()))
+                         fresh=self.initial_state(prompts, decodes), start=start)
 
     def _load_prefix(self, row: int, prompt: np.ndarray, hit: PrefixHit | None) -> int:
         """Copies the prompt's stored leading blocks into `row`; returns how many tokens."""
