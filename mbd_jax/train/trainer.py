@@ -29,6 +29,7 @@ from mbd_jax.checkpoint import save_model, write_manifest
 from mbd_jax.config import ModelConfig
 from mbd_jax.errors import UserError
 from mbd_jax.model.transformer import Transformer
+from mbd_jax.parallel.mesh import make_mesh
 from mbd_jax.tokenizer import Tokenizer
 from mbd_jax.train import objective, tasks
 from mbd_jax.train.config import TrainConfig
@@ -66,11 +67,12 @@ def make_optimizer(tcfg: TrainConfig) -> optax.GradientTransformation:
 
 
 def data_mesh(n: int = -1, devices: list | None = None) -> Mesh:
+    """The training mesh: n devices on `data` (parallel/mesh.py's axes; expert = tensor = 1)."""
     devices = list(devices if devices is not None else jax.devices())
     n = len(devices) if n == -1 else n
     if n > len(devices):
         raise UserError(f"data_parallel {n}: only {len(devices)} devices are present")
-    return Mesh(np.array(devices[:n]), ("data",))
+    return make_mesh({"data": n, "expert": 1, "tensor": 1}, devices)
 
 
 def train_step(state: dict, batch: dict, *, model: Transformer, tx: optax.GradientTransformation,
