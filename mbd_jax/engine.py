@@ -140,6 +140,7 @@ class Engine:
                               scratch_offset=self.scratch_offset, debug=debug),
             donate_argnames=("state", "kv"))
         self._merge = jax.jit(_merge_rows, donate_argnames=("old",))
+        self._host: tuple[DecodeState, DecodeState] | None = None  # (device, host): host_view
         self.prefix_store = prefix_store
         self.offloader: KVOffloader | None = None
         self.prefix_hit_tokens = 0  # prompt tokens served from the prefix store so far
@@ -212,14 +213,17 @@ class Engine:
         return np.array([len(p) // blk * blk if rows[i] else 0 for i, p in enumerate(prompts)],
                         np.int32)
 
+    def _bucket(self, tokens: int) -> int:
+        """The compiled prefill length for `tokens` positions (capped at prefill_chunk)."""
+        return next(t for t in prefill_buckets(self.cfg.block_size, self.prefill_chunk)
+                    if t >= min(tokens, self.prefill_chunk))
+
     def _prefill_chunk(self, prompts: list[np.ndarray], full_len: np.ndarray, rows: np.ndarray,
                        start: np.ndarray) -> int:
         """Writes the KV of prompt positions [start, start + T) of each selected row (T the
         smallest bucket covering the most any row has left, at most prefill_chunk). Returns T."""
         todo = rows & (full_len > start)
-        left = int(np.max(np.where(todo, full_len - start, 0)))
-        t = next(s for s in prefill_buckets(self.cfg.block_size, self.prefill_chunk)
-                 if s >= min(left, self.prefill_chunk))
+        t = self._bucket(int(np.max(np.where(todo, full_len - start, 0))))
         tokens = np.full((self.batch_size, t), self.cfg.pad_token_id, np.int32)
         for i, p in enumerate(prompts):
             seg = p[start[i]: min(start[i] + t, full_len[i])]
@@ -264,14 +268,21 @@ class Engine:
         steps = int(steps)  # waits for the call
         self.call_log.append((time.perf_counter() - t, steps))
         if self.offloader is not None:  # stage what this call committed; drain the last call's
-            cached_len, canvas = jax.device_get((state.cached_len, state.canvas))
-            self.offloader.after_decode(self.kv, cached_len, canvas)
+            host = self.host_view(state)
+            self.offloader.after_decode(self.kv, host.cached_len, host.canvas)
         if self.debug:
             violations = jax.device_get(state.violations)
             if np.any(violations):
                 raise RuntimeError(f"Block Buffer invariant broken in rows "
                                    f"{np.nonzero(violations)[0].tolist()} (debug mode)")
         return state
+
+    def host_view(self, state: DecodeState) -> DecodeState:
+        """`state` on the host, without the voting trajectories; fetched once per decode call
+        however many readers (the offloader, the scheduler's streaming) ask."""
+        if self._host is None or self._host[0] is not state:
+            self._host = (state, jax.device_get(state.replace(trajectory=None)))
+        return self._host[1]
 
     def run_decode(self, state: DecodeState, max_calls: int | None = None) -> DecodeState:
         """Decode calls until every row is done (or max_calls calls ran)."""
@@ -357,7 +368,7 @@ class Engine:
         chunks = []
         for first in range(0, len(entries), per_chunk):
             part = np.concatenate(entries[first: first + per_chunk], axis=2)  # [L, 2, T, K, Dh]
-            t = next(s for s in prefill_buckets(blk, self.prefill_chunk) if s >= part.shape[2])
+            t = self._bucket(part.shape[2])
             pad = np.zeros(part.shape[:2] + (t - part.shape[2],) + part.shape[3:], part.dtype)
             chunks.append((first * blk, jax.device_put(np.concatenate([part, pad], axis=2))))
         return PrefixHit(tokens=len(entries) * blk, chunks=chunks)

@@ -209,7 +209,7 @@ class Scheduler:
     def _fetch(self, state):
         """The state on the host, without the voting trajectories ([B, steps, len]: large) unless
         a finished row asked for a vote."""
-        host = jax.device_get(state.replace(trajectory=None))
+        host = self.engine.host_view(state)  # shared with the offloader: one transfer per call
         if any(host.done[row] and r.decode.voting is not None for row, r in self._rows.items()
                if row not in self._prefilling):
             host = host.replace(trajectory=jax.device_get(state.trajectory))

@@ -4,11 +4,30 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
 from mbd_jax.config import MODEL_PRESET_DIR, ModelConfig, load_model_config
 from mbd_jax.model.transformer import init_params
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def run_on_8_cpu_devices(script: str):
+    """Runs `script` in a fresh process with 8 forced CPU devices; returns the JSON it printed
+    last (the test process itself keeps its single device)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
+                       env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 @functools.cache

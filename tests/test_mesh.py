@@ -4,11 +4,6 @@ on 8 forced CPU devices for both router types."""
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -16,8 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from mbd_jax.errors import UserError
 from mbd_jax.parallel import mesh as meshlib
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests.conftest import run_on_8_cpu_devices
 
 
 def test_parse_mesh_fills_and_names_mistakes():
@@ -71,12 +65,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_sharded_forward_equals_unsharded_on_8_cpu_devices():
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8", PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, cwd=ROOT,
-                       env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    rows = run_on_8_cpu_devices(SCRIPT)
     assert len(rows) == 8
     for row in rows:
         data, expert, tensor = row["mesh"]

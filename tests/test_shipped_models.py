@@ -51,8 +51,6 @@ def test_tiny_mbd_accuracy_floor_and_multibd_gain(tiny_mbd):
                                semi_complete_threshold=0.25, max_new_tokens=32)
         reports[n_buf] = evaluate(tiny_mbd, "all", decode, limit=LIMIT, engine=engine)
     single, multi = reports[1], reports[2]
-    print(f"tiny-mbd: SingleBD acc {single.accuracy:.3f} tpf {single.tpf:.3f}; "
-          f"N_buf 2 acc {multi.accuracy:.3f} tpf {multi.tpf:.3f}")
     assert single.n == 4 * LIMIT
     assert single.accuracy >= ACCURACY_FLOOR, single.wrong
     assert multi.tpf >= TPF_GAIN_FLOOR * single.tpf, (single.tpf, multi.tpf)

@@ -20,6 +20,7 @@ from mbd_jax.checkpoint import load_model
 from mbd_jax.model.transformer import init_params
 from mbd_jax.train.config import TrainConfig
 from mbd_jax.train.trainer import Trainer, batch_for_step
+from tests.conftest import run_on_8_cpu_devices
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -108,12 +109,7 @@ SHARDED_SCRIPT = textwrap.dedent("""
 
 
 def test_data_parallel_step_on_8_cpu_devices_equals_single_device():
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8", PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT], capture_output=True, text=True,
-                       cwd=ROOT, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = run_on_8_cpu_devices(SHARDED_SCRIPT)
     one, eight = out["1"], out["8"]
     assert eight["batch_shards"] == 8 and eight["param_devices"] == 8
     # float32; the gradient is summed in a different order across 8 shards

@@ -17,6 +17,7 @@ loop should show none). Transfers are issued only from the engine thread.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 import time
@@ -64,7 +65,8 @@ class KVOffloader:
         self.offloaded = np.zeros(batch_size, np.int64)  # per row: blocks already in the store
         self._row_keys: list[list[str]] = [[] for _ in range(batch_size)]  # per row, so far
         self.stats = OffloadStats()
-        self.events: list[tuple[str, int, float]] = []  # (what, call, time) for tests; bounded
+        # (what, call, time) of the latest events: the overlap timeline (tests, debugging)
+        self.events: collections.deque[tuple[str, int, float]] = collections.deque(maxlen=4096)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._queue: list[_Staged] = []
@@ -73,8 +75,7 @@ class KVOffloader:
         self._thread.start()
 
     def _event(self, what: str, call: int) -> None:
-        if len(self.events) < 100_000:
-            self.events.append((what, call, time.perf_counter()))
+        self.events.append((what, call, time.perf_counter()))
 
     def warmup(self, kv: Any) -> None:
         """Compiles the gather (engine warm-up)."""
