@@ -53,8 +53,9 @@ def peak_memory_mb() -> float:
 
 def bench_decode(cfg: ModelConfig, params: Any, *, batch: int, prompt_len: int, new_tokens: int,
                  buffer_sizes: list[int], decode: DecodeConfig, repeats: int, seed: int = 0,
-                 prefill_chunk: int = 256, moe_impls: list[str] | None = None) -> dict[str, Any]:
-    """Every (expert path, buffer size) on the same prompts, in this process."""
+                 prefill_chunk: int = 256, moe_impls: list[str] | None = None,
+                 mesh=None) -> dict[str, Any]:
+    """Every (expert path, buffer size) on the same prompts, in this process, on `mesh`."""
     rng = np.random.default_rng(seed)
     banned = {cfg.mask_token_id, *cfg.eos_token_ids}
     allowed = np.array([i for i in range(cfg.vocab_size) if i not in banned], np.int32)
@@ -69,7 +70,7 @@ def bench_decode(cfg: ModelConfig, params: Any, *, batch: int, prompt_len: int, 
         c0, s0 = compile_stats.compiles(), compile_stats.compile_seconds()
         t0 = time.perf_counter()
         engine = Engine(cfg, params, batch_size=batch, buffer_size=n_buf,
-                        prefill_chunk=min(prefill_chunk, cfg.max_seq_len))
+                        prefill_chunk=min(prefill_chunk, cfg.max_seq_len), mesh=mesh)
         engine.warmup()
         warm_s = time.perf_counter() - t0
         compiles_warm = compile_stats.compiles() - c0
@@ -114,6 +115,7 @@ def bench_decode(cfg: ModelConfig, params: Any, *, batch: int, prompt_len: int, 
         "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
         "decode": dataclasses.asdict(decode), "device": str(jax.devices()[0].device_kind),
         "backend": jax.default_backend(), "matmul_gflops": gflops, "rows": rows,
+        "mesh": dict(engine.mesh.shape), "devices": engine.mesh.size,
     }
 
 
@@ -121,7 +123,8 @@ def format_table(report: dict[str, Any]) -> str:
     head = (f"{report['model']} ({report['params'] / 1e6:.1f}M params, "
             f"{report['active_params'] / 1e6:.1f}M active), batch {report['batch']}, prompt "
             f"{report['prompt_len']}, new {report['new_tokens']}, {report['backend']}, matmul "
-            f"{report['matmul_gflops']:.0f} GFLOP/s")
+            f"{report['matmul_gflops']:.0f} GFLOP/s, mesh "
+            f"{','.join(f'{k}={v}' for k, v in report['mesh'].items())}")
     cols = ["moe_impl", "buffer_size", "tokens_per_s", "tpf", "bubble_share", "step_ms", "compile_s",
             "achieved_gflops", "utilisation", "peak_memory_mb", "compiles_after_warmup"]
     lines = [head, " ".join(f"{c:>14}" for c in cols)]

@@ -15,9 +15,11 @@ from typing import Any
 
 import jax
 import yaml
+from jax.sharding import Mesh
 
 from mbd_jax.config import ModelConfig, from_dict, load_yaml, resolve_model_path
 from mbd_jax.errors import ConfigError
+from mbd_jax.parallel import mesh as meshlib
 from mbd_jax.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -30,14 +32,16 @@ class LoadedModel:
 
 
 def save_model(out_dir: str | pathlib.Path, cfg: ModelConfig, params: Any) -> pathlib.Path:
-    """Writes config.yaml and params/ (orbax) into out_dir."""
+    """Writes config.yaml and params/ (orbax) into out_dir. Sharded parameters are written shard
+    by shard, each process its own (call it on every process of a multi-process job)."""
     import orbax.checkpoint as ocp
 
     out = pathlib.Path(out_dir).absolute()
     out.mkdir(parents=True, exist_ok=True)
-    d = dataclasses.asdict(dataclasses.replace(cfg, init="checkpoint"))
-    d["eos_token_ids"] = list(d["eos_token_ids"])
-    (out / "config.yaml").write_text(yaml.safe_dump(d, sort_keys=False))
+    if jax.process_index() == 0:
+        d = dataclasses.asdict(dataclasses.replace(cfg, init="checkpoint"))
+        d["eos_token_ids"] = list(d["eos_token_ids"])
+        (out / "config.yaml").write_text(yaml.safe_dump(d, sort_keys=False))
     ckpt = ocp.StandardCheckpointer()
     ckpt.save(out / "params", params, force=True)
     ckpt.wait_until_finished()
@@ -74,14 +78,15 @@ def verify_manifest(model_dir: pathlib.Path) -> None:
                               "manifest.json (corrupt or truncated)")
 
 
-def _restore_params(path: pathlib.Path, cfg: ModelConfig) -> Any:
+def _restore_params(path: pathlib.Path, cfg: ModelConfig, mesh: Mesh) -> Any:
+    """Each device reads its own shards of params/ straight into place (the target carries the
+    mesh's shardings): no process holds a full host copy, and any mesh shape can read a
+    checkpoint written under any other."""
     import orbax.checkpoint as ocp
-
-    from mbd_jax.model.transformer import init_params
 
     if not (path / "params").is_dir():
         raise ConfigError(f"model {path}: config.yaml says init: checkpoint but params/ is missing")
-    target = jax.eval_shape(lambda: init_params(cfg))
+    target = meshlib.abstract_params(cfg, mesh)
     try:
         return ocp.StandardCheckpointer().restore((path / "params").absolute(), target)
     except Exception as e:  # orbax/tensorstore raise many types for a damaged checkpoint
@@ -89,19 +94,22 @@ def _restore_params(path: pathlib.Path, cfg: ModelConfig) -> Any:
                           f"({type(e).__name__}: {str(e)[:300]})") from None
 
 
-def load_model(model: str, *, with_weights: bool = True) -> LoadedModel:
+def load_model(model: str, *, with_weights: bool = True, mesh: Mesh | None = None) -> LoadedModel:
+    """A model by preset name, YAML or directory, its parameters sharded over `mesh` (default:
+    the first device)."""
     from mbd_jax.model.transformer import init_params
 
     config_path = resolve_model_path(model)
     cfg = from_dict(ModelConfig, load_yaml(config_path), where=str(config_path))
+    mesh = mesh if mesh is not None else meshlib.single_device_mesh()
     params = None
     if with_weights:
         if cfg.init == "random":
-            params = init_params(cfg)
+            params = init_params(cfg, mesh=mesh)
         elif cfg.init == "checkpoint":
             if (config_path.parent / "manifest.json").is_file():  # check every file
                 verify_manifest(config_path.parent)
-            params = _restore_params(config_path.parent, cfg)
+            params = _restore_params(config_path.parent, cfg, mesh)
         else:
             raise ConfigError(
                 f"model {model}: {config_path.name} describes a shape only (init: none); convert a "

@@ -11,6 +11,7 @@ import json
 import sys
 
 from mbd_jax.errors import UserError
+from mbd_jax.parallel import multihost
 
 DEFAULT_MODEL = "tiny-mbd"  # trained on the task suite, shipped in models/
 
@@ -87,7 +88,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UserError("give at least one --prompt TEXT or --prompt-ids 1,2,3")
     if any(t == "" for t in prompts_text):
         raise UserError("--prompt: empty prompt; give some text")
-    model = load_model(args.model)
+    mesh = multihost.mesh_from_args(args)
+    model = load_model(args.model, mesh=mesh)
     if prompts_text and model.tokenizer is None:
         raise UserError(f"--model {args.model} has no tokenizer; use --prompt-ids")
     if args.chat:  # each prompt is one user turn in the model's chat template
@@ -101,11 +103,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         record = (min(decode.max_nfe, 4096), min(decode.max_new_tokens, model.cfg.max_seq_len))
     engine = Engine(model.cfg, model.params, batch_size=args.batch_size or min(len(prompts), 8),
                     buffer_size=decode.buffer_size, tokenizer=model.tokenizer,
-                    record_steps=record[0], record_len=record[1])
+                    record_steps=record[0], record_len=record[1], mesh=mesh)
     for i, p in enumerate(prompts):  # fail before compiling anything
         engine.check_prompt(p, where=f"prompt[{i}]")
     with maybe_trace(args.profile):
         results = engine.generate(prompts, decode)
+    if not multihost.is_leader():  # process 0 prints
+        return 0
     for r in results:
         if args.json:
             print(json.dumps(r.to_json()))
@@ -129,15 +133,18 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         sizes = [int(s) for s in str(args.buffer_size_list).split(",")]
     except ValueError:
         raise UserError(f"--buffer-size {args.buffer_size_list!r}: expected integers like 1,2,4") from None
-    model = load_model(args.model, with_weights=not args.random_weights)
-    params = init_params(model.cfg) if args.random_weights else model.params
+    mesh = multihost.mesh_from_args(args)
+    model = load_model(args.model, with_weights=not args.random_weights, mesh=mesh)
+    params = init_params(model.cfg, mesh=mesh) if args.random_weights else model.params
     impls = args.moe_impl.split(",") if args.moe_impl else None
     for impl in impls or []:
         if impl not in ("dense", "ragged", "tiled"):
             raise UserError(f"--moe-impl {impl!r}: expected dense, ragged or tiled (comma-separated)")
     report = bench_decode(model.cfg, params, batch=args.batch, prompt_len=args.prompt_len,
                           new_tokens=args.new_tokens, buffer_sizes=sizes, decode=decode,
-                          repeats=args.repeats, moe_impls=impls)
+                          repeats=args.repeats, moe_impls=impls, mesh=mesh)
+    if not multihost.is_leader():
+        return 0
     print(format_table(report), file=sys.stderr)
     if args.json:
         print(json.dumps(report))
@@ -151,7 +158,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = load_serve_config(args.config, **{
         "model": args.model, "server.host": args.host, "server.port": args.port,
         "server.admin_host": args.admin_host, "server.admin_port": args.admin_port})
-    return serve(cfg, load_api_keys(args.api_key_file))
+    return serve(cfg, load_api_keys(args.api_key_file), mesh=multihost.mesh_from_args(args))
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -169,8 +176,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     tcfg = load_train_config(args.config, steps=args.steps, checkpoint_dir=args.checkpoint_dir,
                              output=args.output)
-    out = run_training(tcfg, progress=not args.no_progress)
-    print(json.dumps({"model_dir": str(out)}))
+    import jax
+
+    mesh = multihost.mesh_from_args(args) if args.mesh or jax.process_count() > 1 else None
+    out = run_training(tcfg, progress=not args.no_progress and multihost.is_leader(), mesh=mesh)
+    if multihost.is_leader():
+        print(json.dumps({"model_dir": str(out)}))
     return 0
 
 
@@ -180,9 +191,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     decode = _decode_config(args)
     task_names(args.task, args.limit)  # fail before loading anything
-    model = load_model(args.model)
+    mesh = multihost.mesh_from_args(args)
+    model = load_model(args.model, mesh=mesh)
     report = evaluate(model, args.task, decode, limit=args.limit, batch_size=args.batch_size,
-                      progress=not args.no_progress)
+                      progress=not args.no_progress and multihost.is_leader(), mesh=mesh)
+    if not multihost.is_leader():
+        return 0
     if args.json:
         print(json.dumps(report.to_json()))
     else:
@@ -214,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.add_argument("--profile", metavar="DIR", help="write a JAX profiler trace to DIR")
     _add_decode_flags(g)
+    multihost.add_launch_flags(g)
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="the HTTP service (OpenAI-compatible; admin port for metrics)")
@@ -224,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--admin-host")
     s.add_argument("--admin-port", type=int)
     s.add_argument("--api-key-file", help="one API key per line (also: MBD_API_KEYS=k1,k2)")
+    multihost.add_launch_flags(s)
     s.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("convert", help="convert a Hugging Face / PyTorch checkpoint")
@@ -236,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-dir", help="override the config's checkpoint_dir (resumes from it)")
     t.add_argument("--output", help="override the config's output model directory")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    multihost.add_launch_flags(t)
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="exact-match accuracy, TPF and tokens/s on a held-out task split")
@@ -246,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true", help="one JSON object")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_decode_flags(e)
+    multihost.add_launch_flags(e)
     e.set_defaults(func=cmd_eval)
 
     b = sub.add_parser("bench", help="benchmarks")
@@ -261,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--moe-impl", help="expert paths to compare, e.g. dense,tiled (default: the model's)")
     d.add_argument("--json", action="store_true")
     _add_decode_flags(d, buffer_size_list=True)
+    multihost.add_launch_flags(d)
     d.set_defaults(func=cmd_bench_decode)
     return ap
 
@@ -268,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        multihost.initialize(args)  # before any JAX computation; nothing for one process
         return args.func(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

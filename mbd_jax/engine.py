@@ -3,6 +3,11 @@
 It owns the parameters, the preallocated KV buffer (B rows x S_cap positions) and the compiled
 programs (one decode loop, one prefill per length bucket), and turns token-id prompts into
 results. Shapes are static per engine: nothing compiles after `warmup()`.
+
+Everything lives on a device mesh (parallel/mesh.py; one device without one): the parameters and
+the KV buffer are split by the rules table, the decode state and every host input are replicated,
+and every compiled program names its output shardings, so donated buffers keep their layout and
+nothing recompiles. On several processes each runs the same calls (parallel/multihost.py).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from mbd_jax.decoding import block_buffer, loop, policy, voting
 from mbd_jax.decoding.block_buffer import FINISH_NAMES, DecodeState, RowParams
 from mbd_jax.errors import UserError
 from mbd_jax.model.transformer import Transformer
+from mbd_jax.parallel import mesh as meshlib
+from mbd_jax.parallel import multihost
 from mbd_jax.tokenizer import Tokenizer
 
 
@@ -99,14 +106,16 @@ class Engine:
     def __init__(self, cfg: ModelConfig, params: Any, *, batch_size: int = 4, buffer_size: int = 1,
                  prefill_chunk: int = 256, steps_per_call: int = 64, debug: bool = False,
                  tokenizer: Tokenizer | None = None, record_steps: int = 0, record_len: int = 0,
-                 prefix_store: PrefixStore | None = None, offload_blocks_per_call: int = 64):
+                 prefix_store: PrefixStore | None = None, offload_blocks_per_call: int = 64,
+                 mesh: jax.sharding.Mesh | None = None):
         """batch_size rows decode together; buffer_size is the compiled N_buf (requests may use
         less); with `debug`, every decode step checks the Block Buffer invariants and a broken
         one raises (slower: the check scans each row's canvas). With a tokenizer, results carry
         text. record_steps x record_len > 0 records each step's full prediction of the first
         record_len generated positions (the last record_steps steps), which voting needs.
         With a prefix store, admitted prompts reuse stored leading blocks and committed blocks
-        are persisted after every decode call (double-buffered, cache/offload.py)."""
+        are persisted after every decode call (double-buffered, cache/offload.py). `mesh`: the
+        devices to run on (default: the first device)."""
         if prefill_chunk % cfg.block_size:
             raise UserError(f"prefill_chunk ({prefill_chunk}) must be a multiple of block_size "
                             f"({cfg.block_size})")
@@ -114,7 +123,10 @@ class Engine:
             raise UserError("batch_size and buffer_size must be >= 1")
         compile_stats.install()  # count this engine's compilations from the first one
         self.cfg = cfg
-        self.params = params
+        self.mesh = mesh if mesh is not None else meshlib.single_device_mesh()
+        replicated = meshlib.replicated(self.mesh)
+        self._put = functools.partial(jax.device_put, device=replicated)  # host input -> mesh
+        self.params = jax.device_put(params, meshlib.param_shardings(cfg, self.mesh))
         self.batch_size = batch_size
         self.buffer_size = buffer_size
         self.prefill_chunk = min(prefill_chunk, cfg.max_seq_len)
@@ -131,15 +143,18 @@ class Engine:
         scratch = max(self.prefill_chunk, window)
         self.capacity = kvlib.kv_capacity(cfg, window + scratch)
         self.scratch_offset = self.capacity - scratch
-        self.kv = kvlib.allocate(cfg, batch_size, self.capacity)
-        apply_fn = Transformer(cfg).apply
+        kv_sharding = meshlib.kv_shardings(cfg, self.mesh, batch_size, self.capacity)
+        self.kv = jax.jit(lambda: kvlib.allocate(cfg, batch_size, self.capacity),
+                          out_shardings=kv_sharding)()
+        apply_fn = Transformer(cfg, self.mesh).apply
         self._prefill = jax.jit(functools.partial(loop.prefill, apply_fn=apply_fn),
-                                static_argnames=("scratch_offset",), donate_argnames=("kv",))
+                                static_argnames=("scratch_offset",), donate_argnames=("kv",),
+                                out_shardings=kv_sharding)
         self._decode = jax.jit(
             functools.partial(loop.decode_loop, apply_fn=apply_fn, cfg=cfg, n_slots=buffer_size,
                               scratch_offset=self.scratch_offset, debug=debug),
-            donate_argnames=("state", "kv"))
-        self._merge = jax.jit(_merge_rows, donate_argnames=("old",))
+            donate_argnames=("state", "kv"), out_shardings=(replicated, kv_sharding, replicated))
+        self._merge = jax.jit(_merge_rows, donate_argnames=("old",), out_shardings=replicated)
         self._host: tuple[DecodeState, DecodeState] | None = None  # (device, host): host_view
         self.prefix_store = prefix_store
         self.offloader: KVOffloader | None = None
@@ -149,14 +164,19 @@ class Engine:
             if prefix_store.block_size != cfg.block_size:
                 raise UserError(f"prefix store block size {prefix_store.block_size} != the model's "
                                 f"{cfg.block_size}")
-            self._load = jax.jit(kvlib.load_blocks, donate_argnames=("kv",))
+            if jax.process_count() > 1:
+                raise UserError("the prefix cache runs on one process; disable cache.enabled for "
+                                "a multi-process launch")
+            self._load = jax.jit(kvlib.load_blocks, donate_argnames=("kv",),
+                                 out_shardings=kv_sharding)
             gather = jax.jit(lambda staging, kv, rows, starts: kvlib.gather_blocks(
-                kv, rows, starts, cfg.block_size), donate_argnums=0)
+                kv, rows, starts, cfg.block_size), donate_argnums=0, out_shardings=replicated)
             staging = (offload_blocks_per_call, cfg.num_layers, 2, cfg.block_size,
                        cfg.num_kv_heads, cfg.head_dim)
-            dtype = self.kv.k[0].dtype
-            self.offloader = KVOffloader(prefix_store, gather, lambda: jnp.zeros(staging, dtype),
-                                         batch_size, offload_blocks_per_call)
+            empty = jax.jit(lambda: jnp.zeros(staging, self.kv.k[0].dtype),
+                            out_shardings=replicated)
+            self.offloader = KVOffloader(prefix_store, gather, empty, batch_size,
+                                         offload_blocks_per_call)
 
     # ---------------------------------------------------------------- validation
     def check_prompt(self, ids: Sequence[int], where: str = "prompt") -> None:
@@ -182,10 +202,10 @@ class Engine:
     # ---------------------------------------------------------------- host -> device state
     def _row_params(self, prompts: list[np.ndarray], decodes: list[DecodeConfig]) -> RowParams:
         cfg = self.cfg
-        col = lambda f, dt=np.float32: jax.device_put(np.array([f(d) for d in decodes], dt))  # noqa: E731
+        col = lambda f, dt=np.float32: self._put(np.array([f(d) for d in decodes], dt))  # noqa: E731
         limits = [min(len(p) + d.max_new_tokens, cfg.max_seq_len) for p, d in zip(prompts, decodes)]
         return RowParams(
-            limit=jax.device_put(np.array(limits, np.int32)),
+            limit=self._put(np.array(limits, np.int32)),
             max_nfe=col(lambda d: d.max_nfe, np.int32),
             buffer_size=col(lambda d: d.buffer_size, np.int32),
             policy=col(lambda d: policy.POLICY_IDS[d.policy], np.int32),
@@ -206,7 +226,8 @@ class Engine:
     def initial_state(self, prompts: list[np.ndarray], decodes: list[DecodeConfig]) -> DecodeState:
         return block_buffer.initial_state(prompts, self.capacity, self.cfg.block_size,
                                           self.buffer_size, self.cfg.mask_token_id,
-                                          self._row_params(prompts, decodes), self.record)
+                                          self._row_params(prompts, decodes), self.record,
+                                          put=self._put)
 
     def _full_len(self, prompts: list[np.ndarray], rows: np.ndarray) -> np.ndarray:
         blk = self.cfg.block_size
@@ -228,16 +249,18 @@ class Engine:
         for i, p in enumerate(prompts):
             seg = p[start[i]: min(start[i] + t, full_len[i])]
             tokens[i, : len(seg)] = seg
-        self.kv = self._prefill(self.params, self.kv, jax.device_put(tokens),
-                                jax.device_put(start.astype(np.int32)), jax.device_put(full_len),
-                                jax.device_put(todo), scratch_offset=self.scratch_offset)
+        self.kv = self._prefill(self.params, self.kv, self._put(tokens),
+                                self._put(start.astype(np.int32)), self._put(full_len),
+                                self._put(todo), scratch_offset=self.scratch_offset)
         return t
 
     # ---------------------------------------------------------------- public API
     def generate(self, prompts: Sequence[Sequence[int]],
                  decode: DecodeConfig | Sequence[DecodeConfig] = DecodeConfig()) -> list[GenerationResult]:
-        """Generates for every prompt (token ids), batch_size rows at a time."""
+        """Generates for every prompt (token ids), batch_size rows at a time. On several
+        processes, process 0's prompts and decode configs are used by all (multihost.share)."""
         decodes = list(decode) if isinstance(decode, (list, tuple)) else [decode] * len(prompts)
+        prompts, decodes = multihost.share(([list(map(int, p)) for p in prompts], decodes))
         if len(decodes) != len(prompts):
             raise UserError(f"got {len(prompts)} prompts but {len(decodes)} decode configs")
         for i, (p, d) in enumerate(zip(prompts, decodes)):
@@ -352,7 +375,7 @@ class Engine:
     def empty_state(self) -> DecodeState:
         """A state whose rows are all free (done)."""
         state = self.initial_state(*self._blank_rows())
-        return state.replace(done=jax.device_put(np.ones(self.batch_size, bool)))
+        return state.replace(done=self._put(np.ones(self.batch_size, bool)))
 
     def prefetch(self, prompt: Sequence[int]) -> PrefixHit | None:
         """Looks a prompt's leading full blocks up in the prefix store and starts their transfer
@@ -370,7 +393,7 @@ class Engine:
             part = np.concatenate(entries[first: first + per_chunk], axis=2)  # [L, 2, T, K, Dh]
             t = self._bucket(part.shape[2])
             pad = np.zeros(part.shape[:2] + (t - part.shape[2],) + part.shape[3:], part.dtype)
-            chunks.append((first * blk, jax.device_put(np.concatenate([part, pad], axis=2))))
+            chunks.append((first * blk, self._put(np.concatenate([part, pad], axis=2))))
         return PrefixHit(tokens=len(entries) * blk, chunks=chunks)
 
     def begin_admit(self, requests: dict[int, tuple[Sequence[int], DecodeConfig]],
@@ -413,7 +436,7 @@ class Engine:
 
     def finish_admit(self, state: DecodeState, adm: Admission) -> DecodeState:
         """Merges the admitted rows' fresh state into the running state (one compiled program)."""
-        return self._merge(state, adm.fresh, jax.device_put(adm.rows))
+        return self._merge(state, adm.fresh, self._put(adm.rows))
 
     def admit(self, state: DecodeState, requests: dict[int, tuple[Sequence[int], DecodeConfig]]
               ) -> DecodeState:
@@ -427,31 +450,31 @@ class Engine:
         """Frees rows (a client went away): they stop at the next step."""
         done = np.array(jax.device_get(state.done))
         done[list(rows)] = True
-        return state.replace(done=jax.device_put(done))
+        return state.replace(done=self._put(done))
 
     def warmup(self) -> None:
         """Compiles every program this engine can run (all prefill buckets, the row merge and
         the decode loop)."""
         blk = self.cfg.block_size
         b = self.batch_size
-        zeros = jax.device_put(np.zeros(b, np.int32))
+        zeros = self._put(np.zeros(b, np.int32))
         for t in prefill_buckets(blk, self.prefill_chunk):
-            self.kv = self._prefill(self.params, self.kv, jax.device_put(np.zeros((b, t), np.int32)),
-                                    zeros, zeros, jax.device_put(np.zeros(b, bool)),
+            self.kv = self._prefill(self.params, self.kv, self._put(np.zeros((b, t), np.int32)),
+                                    zeros, zeros, self._put(np.zeros(b, bool)),
                                     scratch_offset=self.scratch_offset)
             if self.offloader is not None:  # loading t cached tokens into a row (scratch here)
                 cfg = self.cfg
                 blocks = np.zeros((cfg.num_layers, 2, t, cfg.num_kv_heads, cfg.head_dim),
                                   self.kv.k[0].dtype)
-                self.kv = self._load(self.kv, jax.device_put(blocks), np.int32(0),
+                self.kv = self._load(self.kv, self._put(blocks), np.int32(0),
                                      np.int32(self.scratch_offset))
         if self.offloader is not None:
             self.offloader.warmup(self.kv)
             # what a prefill token costs, for the "time saved" metric: the largest bucket, all rows
             t0 = time.perf_counter()
             self.kv = self._prefill(self.params, self.kv,
-                                    jax.device_put(np.zeros((b, self.prefill_chunk), np.int32)),
-                                    zeros, zeros, jax.device_put(np.ones(b, bool)),
+                                    self._put(np.zeros((b, self.prefill_chunk), np.int32)),
+                                    zeros, zeros, self._put(np.ones(b, bool)),
                                     scratch_offset=self.scratch_offset)
             jax.block_until_ready(self.kv)
             self.prefill_seconds_per_token = (time.perf_counter() - t0) / (b * self.prefill_chunk)

@@ -50,9 +50,10 @@ def task_names(task: str, limit: int) -> list[str]:
 
 def evaluate(model: LoadedModel, task: str, decode: DecodeConfig, *, limit: int = 100,
              batch_size: int = 16, seed: int = 1234, progress: bool = False,
-             engine: Engine | None = None) -> EvalReport:
+             engine: Engine | None = None, mesh=None) -> EvalReport:
     """Decodes the first `limit` held-out examples of each task in `task` (a name, a comma-separated
-    list, or `all`); `engine` may be reused across calls (compiled for >= decode.buffer_size)."""
+    list, or `all`); `engine` may be reused across calls (compiled for >= decode.buffer_size), or
+    is built on `mesh`."""
     from tqdm import tqdm
 
     names = task_names(task, limit)
@@ -61,7 +62,7 @@ def evaluate(model: LoadedModel, task: str, decode: DecodeConfig, *, limit: int 
     examples = [ex for name in names for ex in tasks.heldout(name, limit, seed)]
     if engine is None:
         engine = Engine(model.cfg, model.params, batch_size=batch_size,
-                        buffer_size=decode.buffer_size, tokenizer=model.tokenizer)
+                        buffer_size=decode.buffer_size, tokenizer=model.tokenizer, mesh=mesh)
         engine.warmup()
     engine.check_decode(decode, where="decoding")
     prompts = [model.tokenizer.encode(ex.prompt) for ex in examples]

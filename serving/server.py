@@ -3,6 +3,9 @@
 Startup: the HTTP ports open at once (/health 200, /ready 503) while the engine thread loads and
 compiles every shape; /ready turns 200 when it can serve. SIGTERM (or SIGINT): /ready turns 503
 and new requests get 503, in-flight ones finish (up to drain_timeout_s), then the process exits 0.
+
+Across several processes (--coordinator ...), process 0 serves HTTP and drives the engine; the
+others only mirror its engine calls (parallel/multihost.py) and exit when it stops.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 import pathlib
 import signal
 
+import jax
 import uvicorn
 
 from mbd_jax.cache.prefix_store import PrefixStore, model_identity
@@ -21,6 +25,7 @@ from mbd_jax.checkpoint import load_model
 from mbd_jax.config import ServeConfig
 from mbd_jax.engine import Engine
 from mbd_jax.errors import UserError
+from mbd_jax.parallel import multihost
 from serving.app import Service, build_apps
 from serving.metrics import Metrics
 from serving.scheduler import Scheduler
@@ -47,8 +52,9 @@ def load_api_keys(path: str | None) -> list[str]:
     return keys
 
 
-def build_service(cfg: ServeConfig, api_keys: list[str], profile_dir: str = "profiles") -> Service:
-    model = load_model(cfg.model)
+def build_engine(cfg: ServeConfig, mesh: jax.sharding.Mesh | None = None) -> Engine:
+    """The service's engine (on every process of a multi-process launch)."""
+    model = load_model(cfg.model, mesh=mesh)
     if model.tokenizer is None:
         raise UserError(f"model {cfg.model}: the service needs a tokenizer")
     if cfg.generation.block_size not in (None, model.cfg.block_size):
@@ -56,7 +62,9 @@ def build_service(cfg: ServeConfig, api_keys: list[str], profile_dir: str = "pro
                         f"model's block_size {model.cfg.block_size}")
     s = cfg.server
     store = None
-    if cfg.cache.enabled:
+    if cfg.cache.enabled and jax.process_count() > 1:
+        log.warning("the prefix cache is off: it runs on one process (cache.enabled ignored)")
+    elif cfg.cache.enabled:
         c = cfg.cache
         store = PrefixStore(model_identity(model.cfg, model.path.parent), model.cfg.block_size,
                             ram_bytes=c.ram_capacity_mb << 20, storage_path=c.storage_path,
@@ -67,10 +75,18 @@ def build_service(cfg: ServeConfig, api_keys: list[str], profile_dir: str = "pro
                     prefill_chunk=min(s.prefill_chunk, model.cfg.max_seq_len),
                     tokenizer=model.tokenizer,
                     record_steps=min(cfg.decoding.max_nfe, 1024),
-                    record_len=min(limit, model.cfg.max_seq_len), prefix_store=store)
+                    record_len=min(limit, model.cfg.max_seq_len), prefix_store=store, mesh=mesh)
+    return engine
+
+
+def build_service(cfg: ServeConfig, api_keys: list[str], profile_dir: str = "profiles",
+                  mesh: jax.sharding.Mesh | None = None) -> Service:
+    engine = build_engine(cfg, mesh)
+    if jax.process_count() > 1:  # process 0: every engine call goes to the followers first
+        engine = multihost.EngineLeader(engine)
     metrics = Metrics(engine)
     scheduler = Scheduler(engine, cfg, metrics)
-    return Service(cfg=cfg, scheduler=scheduler, metrics=metrics, model_name=model.cfg.name,
+    return Service(cfg=cfg, scheduler=scheduler, metrics=metrics, model_name=engine.cfg.name,
                    api_keys=api_keys, profile_dir=pathlib.Path(profile_dir))
 
 
@@ -103,14 +119,20 @@ async def _serve(svc: Service) -> None:
     drainer.cancel()
 
 
-def serve(cfg: ServeConfig, api_keys: list[str]) -> int:
+def serve(cfg: ServeConfig, api_keys: list[str], mesh: jax.sharding.Mesh | None = None) -> int:
     logging.basicConfig(level=cfg.monitoring.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = multihost.share(cfg)  # process 0's config builds every process's engine
+    if not multihost.is_leader():  # a follower: mirror process 0's engine calls until it stops
+        multihost.follow(build_engine(cfg, mesh))
+        return 0
     if not api_keys:
         log.warning("no API keys configured (--api-key-file or MBD_API_KEYS): the service is open")
-    svc = build_service(cfg, api_keys)
+    svc = build_service(cfg, api_keys, mesh=mesh)
     try:
         asyncio.run(_serve(svc))
     finally:
         svc.scheduler.stop()
+        if isinstance(svc.scheduler.engine, multihost.EngineLeader):
+            svc.scheduler.engine.close()
     return 0 if svc.scheduler.error is None else 1

@@ -1,9 +1,14 @@
-"""The device mesh (first slice of the mesh issue): --mesh parsing, the rules table, and sharded
-parameters / KV buffers that really are split, with a sharded forward equal to the unsharded one
-on 8 forced CPU devices for both router types."""
+"""The device mesh on 8 forced CPU devices: --mesh parsing, the rules table, parameters and KV
+buffers that really are split, expert parallelism (forward equality and the collectives in the
+compiled program), sharded generation and sharded checkpoint restore onto other mesh shapes."""
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -11,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from mbd_jax.errors import UserError
 from mbd_jax.parallel import mesh as meshlib
-from tests.conftest import run_on_8_cpu_devices
+from tests.conftest import ROOT, run_on_8_cpu_devices
 
 
 def test_parse_mesh_fills_and_names_mistakes():
@@ -25,47 +30,52 @@ def test_parse_mesh_fills_and_names_mistakes():
             meshlib.parse_mesh(spec, 8)
 
 
-SCRIPT = textwrap.dedent("""
-    import dataclasses, json, jax, numpy as np
-    from jax.sharding import NamedSharding
+FORWARD = textwrap.dedent("""
+    import json, re, jax, numpy as np
     from mbd_jax.model.transformer import Transformer, block_causal_mask, init_params
     from mbd_jax.parallel import mesh as meshlib
     from tests.conftest import tiny_cfg
     assert jax.device_count() == 8
     out = []
-    for router in ("sigmoid_grouped", "softmax_topk"):
-        cfg = tiny_cfg(router=router, num_heads=8, num_kv_heads=8, n_group=4 if
-                       router == "sigmoid_grouped" else 1, topk_group=2 if
-                       router == "sigmoid_grouped" else 1)
+    for router, impl in (("sigmoid_grouped", "ragged"), ("softmax_topk", "tiled")):
+        grouped = router == "sigmoid_grouped"
+        cfg = tiny_cfg(router=router, moe_impl=impl, num_heads=8, num_kv_heads=8,
+                       n_group=4 if grouped else 1, topk_group=2 if grouped else 1)
         params = init_params(cfg)
         rng = np.random.default_rng(0)
         tokens = rng.integers(5, cfg.vocab_size, size=(2, 24)).astype(np.int32)
         pos = np.tile(np.arange(24, dtype=np.int32), (2, 1))
         mask = block_causal_mask(pos, cfg.block_size)
-        fwd = jax.jit(lambda p, t, q, m: Transformer(cfg).apply({"params": p}, t, q, mask=m)[0])
-        ref = np.asarray(fwd(params, tokens, pos, mask))
+        ref = np.asarray(jax.jit(lambda p: Transformer(cfg).apply({"params": p}, tokens, pos,
+                                                                   mask=mask)[0])(params))
         for shape in ((1, 1, 8), (1, 8, 1), (2, 2, 2), (1, 4, 2)):
             m = meshlib.make_mesh(dict(zip(meshlib.AXES, shape)))
-            shardings = meshlib.param_shardings(cfg, m)
-            sharded = jax.device_put(params, shardings)
-            batch = NamedSharding(m, meshlib.spec_for(("batch", None), tokens.shape, m))
-            got = np.asarray(fwd(sharded, jax.device_put(tokens, batch),
-                                 jax.device_put(pos, batch), mask))
+            sharded = jax.device_put(params, meshlib.param_shardings(cfg, m))
+            fwd = jax.jit(lambda p, t, q: Transformer(cfg, m).apply({"params": p}, t, q,
+                                                                    mask=mask)[0])
+            got = np.asarray(fwd(sharded, tokens, pos))
+            hlo = fwd.lower(sharded, tokens, pos).compile().as_text()
             experts = sharded["layer_1"]["moe"]["experts_up"]
             q = sharded["layer_0"]["attn"]["q_proj"]
             kv = meshlib.kv_sharding(cfg, m, 2, 64)
-            out.append({"router": router, "mesh": shape,
-                        "err": float(np.abs(got - ref).max()),
+            out.append({"router": router, "mesh": shape, "err": float(np.abs(got - ref).max()),
                         "experts_local": list(experts.addressable_shards[0].data.shape),
                         "experts_global": list(experts.shape),
                         "q_local": list(q.addressable_shards[0].data.shape),
-                        "kv_local": list(kv.shard_shape((2, 64, cfg.num_kv_heads, cfg.head_dim)))})
+                        "kv_local": list(kv.shard_shape((2, 64, cfg.num_kv_heads, cfg.head_dim))),
+                        "hidden": cfg.hidden_size,
+                        "all_reduce": re.findall(r"= (f32\\[[0-9,]+\\])[^ ]* all-reduce\\(", hlo),
+                        "all_gather": re.findall(r"= (f32\\[[0-9,]+\\])[^ ]* all-gather\\(", hlo)})
     print(json.dumps(out))
 """)
 
 
-def test_sharded_forward_equals_unsharded_on_8_cpu_devices():
-    rows = run_on_8_cpu_devices(SCRIPT)
+def test_expert_parallel_forward_equals_unsharded_on_8_cpu_devices():
+    """The forward under a mesh (experts in shard_map, the rest partitioned by XLA) equals the
+    one-device forward, for both routers, on four mesh shapes; parameters and the KV buffer are
+    really split; the compiled program combines the experts with an all-reduce of the [N, D]
+    outputs and never gathers the expert weights."""
+    rows = run_on_8_cpu_devices(FORWARD)
     assert len(rows) == 8
     for row in rows:
         data, expert, tensor = row["mesh"]
@@ -74,6 +84,98 @@ def test_sharded_forward_equals_unsharded_on_8_cpu_devices():
         assert row["experts_local"] == [e // expert, d, f // tensor], row
         assert row["q_local"][1] == 8 // tensor, row  # heads split on tensor
         assert row["kv_local"] == [2 // data, 64, 8 // tensor, 16], row
+        size = lambda shape: math.prod(int(n) for n in shape[4:-1].split(","))  # noqa: E731
+        assert 2 * 24 // data * row["hidden"] in map(size, row["all_reduce"]), row  # the combine
+        for shape in row["all_gather"]:  # routing logits may be gathered, expert weights never
+            assert size(shape) < d * f, row
+
+
+ENGINE = textwrap.dedent("""
+    import json, jax, numpy as np
+    from mbd_jax import compile_stats
+    from mbd_jax.checkpoint import load_model
+    from mbd_jax.config import DecodeConfig
+    from mbd_jax.engine import Engine
+    from mbd_jax.parallel import mesh as meshlib
+    prompts = [[1, 20, 31, 42, 53, 64, 75], [1, 9, 8, 7], [1, 100, 200, 300, 33, 44, 55, 66, 77],
+               [1, 5]]
+    decode = DecodeConfig(buffer_size=2, max_new_tokens=24)
+    def run(mesh):
+        model = load_model("tiny-mbd", mesh=mesh)
+        engine = Engine(model.cfg, model.params, batch_size=4, buffer_size=2, mesh=mesh)
+        engine.warmup()
+        first = [r.token_ids for r in engine.generate(prompts, decode)]
+        c0 = compile_stats.compiles()
+        again = [r.token_ids for r in engine.generate(prompts[::-1], decode)][::-1]
+        experts = engine.params["layer_1"]["moe"]["experts_up"]
+        return {"tokens": first, "again": again, "compiles": compile_stats.compiles() - c0,
+                "kv_local": list(engine.kv.k[0].addressable_shards[0].data.shape),
+                "kv_global": list(engine.kv.k[0].shape),
+                "experts_local": list(experts.addressable_shards[0].data.shape)}
+    out = {"one": run(None)}
+    for spec in ("expert=8", "data=2,expert=2,tensor=2", "expert=4,tensor=2"):
+        out[spec] = run(meshlib.make_mesh(meshlib.parse_mesh(spec)))
+    print(json.dumps(out))
+""")
+
+
+def test_sharded_engine_generates_the_same_tokens():
+    """The shipped tiny-mbd generates identical tokens on three 8-device meshes as on one device,
+    with its KV buffer and experts split and nothing compiled after warm-up."""
+    out = run_on_8_cpu_devices(ENGINE)
+    one = out.pop("one")
+    assert any(len(t) > 4 for t in one["tokens"])
+    for spec, got in out.items():
+        assert got["tokens"] == one["tokens"], spec
+        assert got["again"] == one["tokens"], spec
+        assert got["compiles"] == 0, spec
+        sizes = meshlib.parse_mesh(spec, 8)
+        b, s, k, dh = got["kv_global"]  # tiny-moe: 2 KV heads, 8 experts of width 128
+        assert got["kv_local"] == [b // sizes["data"], s, k // sizes["tensor"], dh], spec
+        assert got["experts_local"] == [8 // sizes["expert"], 128, 128 // sizes["tensor"]], spec
+
+
+RESTORE = textwrap.dedent("""
+    import json, sys, jax, numpy as np
+    from mbd_jax.checkpoint import load_model, save_model
+    from mbd_jax.model.transformer import Transformer, block_causal_mask, init_params
+    from mbd_jax.parallel import mesh as meshlib
+    from tests.conftest import tiny_cfg
+    cfg = tiny_cfg(num_heads=8, num_kv_heads=8, n_group=4, topk_group=2, tokenizer=None)
+    write = meshlib.make_mesh(meshlib.parse_mesh("expert=4,tensor=2"))
+    params = init_params(cfg, mesh=write)  # each device computes its own shards
+    save_model(sys.argv[1], cfg, params)
+    tokens = np.arange(5, 29, dtype=np.int32).reshape(1, 24)
+    pos = np.arange(24, dtype=np.int32)[None]
+    mask = block_causal_mask(pos, cfg.block_size)
+    def logits(mesh, p):
+        return np.asarray(jax.jit(lambda p: Transformer(cfg, mesh).apply(
+            {"params": p}, tokens, pos, mask=mask)[0])(p))
+    ref = logits(write, params)
+    out = {}
+    for spec in ("data=2,expert=2,tensor=2", "tensor=8", "data=1"):
+        mesh = meshlib.make_mesh(meshlib.parse_mesh(spec, 8 if spec != "data=1" else 1),
+                                 jax.devices()[: 1 if spec == "data=1" else 8])
+        loaded = load_model(sys.argv[1], mesh=mesh).params
+        want = meshlib.param_shardings(cfg, mesh)
+        placed = all(a.sharding == w for a, w in zip(jax.tree.leaves(loaded), jax.tree.leaves(want)))
+        up = loaded["layer_1"]["moe"]["experts_up"]
+        out[spec] = {"err": float(np.abs(logits(mesh, loaded) - ref).max()), "placed": placed,
+                     "experts_local": list(up.addressable_shards[0].data.shape)}
+    print(json.dumps(out))
+""")
+
+
+def test_sharded_checkpoint_restores_onto_other_meshes(tmp_path):
+    """Parameters written shard by shard from an (expert 4, tensor 2) mesh restore straight into
+    the shardings of other mesh shapes (and one device) with the same logits."""
+    out = run_on_8_cpu_devices(RESTORE.replace("sys.argv[1]", repr(str(tmp_path / "m"))))
+    assert set(out) == {"data=2,expert=2,tensor=2", "tensor=8", "data=1"}
+    for spec, row in out.items():
+        assert row["placed"], spec
+        assert row["err"] < 2e-5, (spec, row)
+    assert out["data=2,expert=2,tensor=2"]["experts_local"][0] == 4  # 8 experts over 2
+    assert out["data=1"]["experts_local"][0] == 8
 
 
 def test_rules_leave_undivisible_dims_replicated():
@@ -87,3 +189,20 @@ def test_rules_leave_undivisible_dims_replicated():
 
     assert meshlib.spec_for(("embed", "heads"), (64, 4), Fake) == P(None, None)
     assert meshlib.spec_for(("embed", "heads"), (64, 16), Fake) == P(None, "tensor")
+
+
+def test_mesh_bench_tool_runs_and_never_recompiles():
+    """tools/bench_mesh.py on 2 forced CPU devices: one row per mesh, the same decoding (TPF) on
+    each, and no compilation after warm-up."""
+    r = subprocess.run([sys.executable, "tools/bench_mesh.py", "--force-cpu-devices", "2",
+                        "--model", "tiny-mbd", "--meshes", "one;expert=2;data=2", "--batch", "2",
+                        "--prompt-len", "8", "--new-tokens", "8", "--repeats", "1"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert [row["mesh"] for row in rows] == ["one", "expert=2", "data=2"]
+    assert [row["devices"] for row in rows] == [1, 2, 2]
+    assert len({row["tpf"] for row in rows}) == 1
+    assert all(row["compiles_after_warmup"] == 0 and row["tokens_per_s"] > 0 for row in rows)
+    assert "vs first" in r.stderr

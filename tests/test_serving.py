@@ -36,7 +36,7 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, tmp: pathlib.Path, keys: list[str], sections: dict | None = None,
-                 **server_overrides):
+                 args: tuple[str, ...] = (), env: dict | None = None, **server_overrides):
         self.port, self.admin_port = free_port(), free_port()
         cfg = {
             "model": "tiny-random",
@@ -54,9 +54,9 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mbd_jax", "serve", "--config", str(tmp / "serve.yaml"),
              "--port", str(self.port), "--admin-port", str(self.admin_port),
-             "--api-key-file", str(tmp / "keys.txt")],
+             "--api-key-file", str(tmp / "keys.txt"), *args],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-            env=dict(os.environ, JAX_PLATFORMS="cpu"))
+            env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})})
         self.url = f"http://127.0.0.1:{self.port}"
         self.admin = f"http://127.0.0.1:{self.admin_port}"
         deadline = time.monotonic() + 240

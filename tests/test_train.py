@@ -91,31 +91,42 @@ def test_resume_gives_the_same_next_step_loss(tmp_path):
 SHARDED_SCRIPT = textwrap.dedent("""
     import dataclasses, json, jax, numpy as np
     from tests.test_train import small_model, tcfg
+    from mbd_jax.parallel import mesh as meshlib
     from mbd_jax.train.trainer import Trainer, data_mesh
     assert jax.device_count() == 8
     cfg, params, tok = small_model()
     out = {}
-    for n in (1, 8):
-        t = Trainer(tcfg(objective="multitf", g_max=2, data_parallel=n), cfg, params, tok)
-        assert t.mesh.size == n
+    for name in ("data=1", "data=8", "data=2,expert=2,tensor=2"):
+        mesh = (data_mesh(1) if name == "data=1" else
+                meshlib.make_mesh(meshlib.parse_mesh(name)))
+        t = Trainer(tcfg(objective="multitf", g_max=2), cfg, params, tok, mesh=mesh)
         losses = [t.train_step()["loss"] for _ in range(3)]
         leaf = t.state["params"]["layer_1"]["moe"]["experts_up"]
-        out[n] = {"losses": losses, "params": [np.asarray(x).ravel().tolist()
-                                               for x in jax.tree.leaves(t.state["params"])],
-                  "batch_shards": len(t.batch_sharding.addressable_devices),
-                  "param_devices": len(leaf.sharding.device_set)}
+        mu = t.state["opt_state"][1][0].mu["layer_1"]["moe"]["experts_up"]
+        out[name] = {"losses": losses, "params": [np.asarray(x).ravel().tolist()
+                                                  for x in jax.tree.leaves(t.state["params"])],
+                     "batch_shards": len(t.batch_sharding.addressable_devices),
+                     "param_devices": len(leaf.sharding.device_set),
+                     "experts_local": list(leaf.addressable_shards[0].data.shape),
+                     "moment_local": list(mu.addressable_shards[0].data.shape)}
     print(json.dumps(out))
 """)
 
 
-def test_data_parallel_step_on_8_cpu_devices_equals_single_device():
+def test_sharded_train_step_on_8_cpu_devices_equals_single_device():
+    """Data parallel over 8 devices, and data x expert x tensor (2, 2, 2) with the experts in
+    shard_map and split moments: the same losses and parameters as one device."""
     out = run_on_8_cpu_devices(SHARDED_SCRIPT)
-    one, eight = out["1"], out["8"]
-    assert eight["batch_shards"] == 8 and eight["param_devices"] == 8
-    # float32; the gradient is summed in a different order across 8 shards
-    np.testing.assert_allclose(eight["losses"], one["losses"], rtol=1e-5)
-    for a, b in zip(one["params"], eight["params"]):
-        np.testing.assert_allclose(b, a, atol=2e-5, rtol=1e-4)
+    one = out.pop("data=1")
+    assert out["data=8"]["batch_shards"] == 8 and out["data=8"]["param_devices"] == 8
+    mixed = out["data=2,expert=2,tensor=2"]
+    e, d, f = one["experts_local"]
+    assert mixed["experts_local"] == [e // 2, d, f // 2] == mixed["moment_local"]
+    for name, got in out.items():
+        # float32; the gradient is summed in a different order across shards
+        np.testing.assert_allclose(got["losses"], one["losses"], rtol=1e-5, err_msg=name)
+        for a, b in zip(one["params"], got["params"]):
+            np.testing.assert_allclose(b, a, atol=2e-5, rtol=1e-4, err_msg=name)
 
 
 def test_train_command_writes_a_loadable_model(tmp_path):

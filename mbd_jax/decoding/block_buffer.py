@@ -19,6 +19,8 @@ predecessors are final becomes TO_CACHE.
 from __future__ import annotations
 
 import flax.struct
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -220,9 +222,11 @@ def record_prediction(state: DecodeState, window_prediction: jax.Array) -> Decod
 
 
 def initial_state(prompts: list[np.ndarray], capacity: int, block_size: int, n_slots: int,
-                  mask_token_id: int, params: RowParams, record: tuple[int, int] = (0, 0)) -> DecodeState:
+                  mask_token_id: int, params: RowParams, record: tuple[int, int] = (0, 0),
+                  put: Callable[[np.ndarray], jax.Array] = jax.device_put) -> DecodeState:
     """Rows start with their full prompt blocks cached (after prefill) and one ACTIVE block: the
-    block holding the first generated position, with its prompt positions fixed."""
+    block holding the first generated position, with its prompt positions fixed. `put` moves a
+    host array to the device(s) (the engine's: replicated over its mesh)."""
     b = len(prompts)
     # The canvas is record[1] wider than the KV capacity so the recorded region of any row fits.
     canvas = np.full((b, capacity + record[1]), mask_token_id, np.int32)
@@ -230,7 +234,6 @@ def initial_state(prompts: list[np.ndarray], capacity: int, block_size: int, n_s
     for i, t in enumerate(prompts):
         canvas[i, : len(t)] = t
     zeros, ones = np.zeros(b, np.int32), np.ones(b, np.int32)
-    put = jax.device_put  # (jnp.asarray would compile a small program per new shape)
     return DecodeState(
         canvas=put(canvas),
         prompt_len=put(prompt_len),

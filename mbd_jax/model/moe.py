@@ -1,6 +1,10 @@
 """Mixture of experts: routers (pure, float32) and two interchangeable expert paths.
 
 Shapes: N tokens, D hidden, E experts, F expert width, k experts per token.
+
+The expert paths share one contract: `ids` [N, k] in [0, E], where id E means "this copy is not
+routed to any expert held here" and contributes nothing (expert parallelism, parallel/expert.py,
+passes E for copies that another shard computes). `out_dtype` defaults to x's.
 """
 
 from __future__ import annotations
@@ -47,40 +51,45 @@ def route_sigmoid_grouped(logits: jax.Array, bias: jax.Array, k: int, n_group: i
 
 
 def experts_dense(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
-                  w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+                  w_up: jax.Array, w_down: jax.Array, out_dtype=None) -> jax.Array:
     """Reference: every expert on every token, combined with the routing weights.
 
     x: [N, D]; ids, weights: [N, k]; w_gate, w_up: [E, D, F]; w_down: [E, F, D]. Returns [N, D].
     """
     e = w_gate.shape[0]
-    combine = jnp.sum(jax.nn.one_hot(ids, e, dtype=jnp.float32) * weights[..., None], axis=1)  # [N, E]
+    # [N, E]; one_hot of the id E is all zeros, so such copies drop out
+    combine = jnp.sum(jax.nn.one_hot(ids, e, dtype=jnp.float32) * weights[..., None], axis=1)
     h = jax.nn.silu(jnp.einsum("nd,edf->nef", x, w_gate)) * jnp.einsum("nd,edf->nef", x, w_up)
     out = jnp.einsum("nef,efd->ned", h, w_down, preferred_element_type=jnp.float32)
-    return jnp.einsum("ned,ne->nd", out, combine).astype(x.dtype)
+    return jnp.einsum("ned,ne->nd", out, combine).astype(out_dtype or x.dtype)
 
 
 def experts_ragged(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
-                   w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+                   w_up: jax.Array, w_down: jax.Array, out_dtype=None) -> jax.Array:
     """Grouped matmul: token copies sorted by expert, one `jax.lax.ragged_dot` per projection.
 
-    Dropless and static-shape (N * k rows). Same contract as `experts_dense`.
+    Dropless and static-shape (N * k rows). Copies with id E sort last, outside every group
+    (ragged_dot leaves rows past the groups zero; they are masked anyway). Same contract as
+    `experts_dense`.
     """
     n, k = ids.shape
     e = w_gate.shape[0]
     flat_ids = ids.reshape(-1)  # [N*k]
     order = jnp.argsort(flat_ids, stable=True)
     token_of = order // k
-    group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)  # drops the id E
     xs = x[token_of]  # [N*k, D]
     h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes)) * jax.lax.ragged_dot(
         xs, w_up, group_sizes)
     out = jax.lax.ragged_dot(h, w_down, group_sizes, preferred_element_type=jnp.float32)
-    out = out * weights.reshape(-1)[order][:, None]
-    return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token_of].add(out).astype(x.dtype)
+    routed = (flat_ids[order] < e)[:, None]
+    out = jnp.where(routed, out * weights.reshape(-1)[order][:, None], 0.0)
+    return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token_of].add(out).astype(
+        out_dtype or x.dtype)
 
 
 def experts_tiled(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
-                  w_up: jax.Array, w_down: jax.Array, tile: int = 16) -> jax.Array:
+                  w_up: jax.Array, w_down: jax.Array, out_dtype=None, tile: int = 16) -> jax.Array:
     """Grouped matmul by tiles: token copies sorted by expert, each expert's group padded to a
     multiple of `tile` rows, then one batched matmul over the tiles with each tile's expert weights.
 
@@ -94,13 +103,15 @@ def experts_tiled(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # sorted copy i is copy order[i]
     sorted_e = flat[order]
-    counts = jnp.bincount(flat, length=e)
+    counts = jnp.bincount(flat, length=e)  # drops the id E
     padded = (counts + tile - 1) // tile * tile
     pad_end = jnp.cumsum(padded)
     # Padded slot of each sorted copy: its expert's padded start + its rank within the expert.
     dest = (pad_end - padded)[sorted_e] + jnp.arange(a) - (jnp.cumsum(counts) - counts)[sorted_e]
     rows = -(-(a + e * (tile - 1)) // tile) * tile
-    slot = jnp.full((rows,), a, jnp.int32).at[dest].set(jnp.arange(a, dtype=jnp.int32))
+    dest = jnp.where(sorted_e < e, dest, rows)  # copies routed elsewhere get no slot
+    slot = jnp.full((rows,), a, jnp.int32).at[dest].set(jnp.arange(a, dtype=jnp.int32),
+                                                         mode="drop")
     valid = slot < a  # padding slots hold no copy
     copy = order[jnp.minimum(slot, a - 1)]
     token = copy // k
@@ -112,7 +123,8 @@ def experts_tiled(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.
     out = jnp.einsum("tmf,tfd->tmd", h, w_down[tile_expert],
                      preferred_element_type=jnp.float32).reshape(rows, d)
     w = jnp.where(valid, weights.reshape(-1)[copy], 0.0)
-    return jnp.zeros((n, d), jnp.float32).at[token].add(out * w[:, None]).astype(x.dtype)
+    return jnp.zeros((n, d), jnp.float32).at[token].add(out * w[:, None]).astype(
+        out_dtype or x.dtype)
 
 
 EXPERT_IMPLS = {"dense": experts_dense, "ragged": experts_ragged, "tiled": experts_tiled}

@@ -6,6 +6,10 @@ With a KV buffer, each layer writes the T new tokens' K/V at `write_offset` (per
 over the buffer with the block-causal rule on absolute positions, bounded by `visible_len`.
 Without one (`kv=None`), the layers attend over the T tokens themselves under an explicit
 `mask[B, T, T]` (training, and the full-sequence reference in tests).
+
+With a device `mesh` of more than one device, the routed experts run expert-parallel inside
+shard_map (parallel/expert.py); everything else is partitioned by XLA from the parameter and
+KV-buffer shardings (parallel/mesh.py).
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from mbd_jax.config import ModelConfig
 from mbd_jax.kv import KVCache
 from mbd_jax.model import layers, moe
+from mbd_jax.parallel.expert import sharded_experts
 
 LayerKV = tuple[jax.Array, jax.Array]  # (k, v), each [B, S_max, K, Dh]
 
@@ -92,6 +98,7 @@ class DenseMLP(nn.Module):
 
 class MoE(nn.Module):
     cfg: ModelConfig
+    mesh: Mesh | None = None
 
     @nn.compact
     def __call__(self, x):
@@ -112,8 +119,10 @@ class MoE(nn.Module):
         wg = _param(self, "experts_gate", (e, d, f), ("expert", "embed", "mlp"), _normal(cfg))
         wu = _param(self, "experts_up", (e, d, f), ("expert", "embed", "mlp"), _normal(cfg))
         wd = _param(self, "experts_down", (e, f, d), ("expert", "mlp", "embed"), _normal(cfg))
-        out = moe.EXPERT_IMPLS[cfg.moe_impl](tokens, ids, weights, wg.astype(dt), wu.astype(dt),
-                                             wd.astype(dt))
+        experts = moe.EXPERT_IMPLS[cfg.moe_impl]
+        if self.mesh is not None and self.mesh.size > 1:
+            experts = sharded_experts(experts, self.mesh)
+        out = experts(tokens, ids, weights, wg.astype(dt), wu.astype(dt), wd.astype(dt))
         if cfg.num_shared_experts > 0:
             out = out + DenseMLP(cfg, cfg.num_shared_experts * f, name="shared")(tokens)
         return out.reshape(b, t, d)
@@ -122,6 +131,7 @@ class MoE(nn.Module):
 class DecoderLayer(nn.Module):
     cfg: ModelConfig
     index: int
+    mesh: Mesh | None = None
 
     @nn.compact
     def __call__(self, x, positions, layer_kv, write_offset, visible_len, mask):
@@ -134,7 +144,7 @@ class DecoderLayer(nn.Module):
         x = x + attn
         h = layers.rms_norm(x, norm("post_attn_norm"), cfg.rms_norm_eps)
         if cfg.is_moe_layer(self.index):
-            x = x + MoE(cfg, name="moe")(h)
+            x = x + MoE(cfg, self.mesh, name="moe")(h)
         else:
             x = x + DenseMLP(cfg, cfg.intermediate_size, name="mlp")(h)
         return x, new_kv
@@ -142,6 +152,7 @@ class DecoderLayer(nn.Module):
 
 class Transformer(nn.Module):
     cfg: ModelConfig
+    mesh: Mesh | None = None  # expert parallelism under this mesh (None: one device)
 
     @nn.compact
     def __call__(self, tokens, positions, kv: KVCache | None = None, write_offset=None,
@@ -156,7 +167,7 @@ class Transformer(nn.Module):
         new_k, new_v = [], []
         for i in range(cfg.num_layers):
             layer_kv = None if kv is None else (kv.k[i], kv.v[i])
-            x, out_kv = DecoderLayer(cfg, i, name=f"layer_{i}")(x, positions, layer_kv,
+            x, out_kv = DecoderLayer(cfg, i, self.mesh, name=f"layer_{i}")(x, positions, layer_kv,
                                                                  write_offset, visible_len, mask)
             if out_kv is not None:
                 new_k.append(out_kv[0])
@@ -173,14 +184,20 @@ class Transformer(nn.Module):
         return logits, new_cache
 
 
-def init_params(cfg: ModelConfig, seed: int | None = None) -> dict:
-    """Random parameters (plain arrays, logical-axis boxes removed), deterministic in `seed`."""
+def init_params(cfg: ModelConfig, seed: int | None = None, mesh: Mesh | None = None) -> dict:
+    """Random parameters (plain arrays, logical-axis boxes removed), deterministic in `seed`;
+    with a mesh, each device computes only its own shards (parallel/mesh.py rules)."""
     model = Transformer(cfg)
     tokens = jnp.zeros((1, cfg.block_size), jnp.int32)
     mask = jnp.ones((1, cfg.block_size, cfg.block_size), bool)
     key = jax.random.PRNGKey(cfg.seed if seed is None else seed)
-    variables = jax.jit(lambda k: model.init(k, tokens, tokens, mask=mask))(key)
-    return nn.meta.unbox(variables["params"])
+    shardings = None
+    if mesh is not None:
+        from mbd_jax.parallel.mesh import param_shardings
+
+        shardings = param_shardings(cfg, mesh)
+    init = lambda k: nn.meta.unbox(model.init(k, tokens, tokens, mask=mask)["params"])  # noqa: E731
+    return jax.jit(init, out_shardings=shardings)(key)
 
 
 def param_logical_axes(cfg: ModelConfig) -> Any:

@@ -9,8 +9,8 @@ mesh), so every preset runs on every mesh shape.
     mesh = make_mesh(parse_mesh("data=1,expert=4,tensor=2"))
     params = jax.device_put(params, param_shardings(cfg, mesh))
 
-This is the first slice of the mesh issue: parameter and KV-buffer shardings under GSPMD. Expert
-parallelism inside shard_map, sharded checkpoints and multi-host launch are not built yet.
+The engine keeps its decode state replicated (every process reads it after each call) and its
+KV buffer split like the KV heads; the routed experts run inside shard_map (parallel/expert.py).
 """
 
 from __future__ import annotations
@@ -102,3 +102,30 @@ def kv_sharding(cfg: ModelConfig, mesh: Mesh, batch: int, capacity: int) -> Name
     """The KV buffer's per-layer [B, S, K, Dh]: rows on `data`, KV heads on `tensor`."""
     shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
     return NamedSharding(mesh, spec_for(("batch", "seq", "kv_heads", "head_dim"), shape, mesh))
+
+
+def single_device_mesh() -> Mesh:
+    """The (1, 1, 1) mesh of the first device: what an engine without --mesh runs on."""
+    return make_mesh(dict.fromkeys(AXES, 1), jax.devices()[:1])
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def kv_shardings(cfg: ModelConfig, mesh: Mesh, batch: int, capacity: int) -> Any:
+    """A KVCache of shardings (every layer's k and v like `kv_sharding`)."""
+    from mbd_jax.kv import KVCache
+
+    s = kv_sharding(cfg, mesh, batch, capacity)
+    return KVCache(k=(s,) * cfg.num_layers, v=(s,) * cfg.num_layers)
+
+
+def abstract_params(cfg: ModelConfig, mesh: Mesh) -> Any:
+    """ShapeDtypeStructs of the parameters carrying their shardings: a restore target that
+    reads each device's shard straight into place (orbax), with no full host copy."""
+    from mbd_jax.model.transformer import init_params
+
+    shapes = jax.eval_shape(lambda: init_params(cfg))
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        shapes, param_shardings(cfg, mesh))

@@ -6,8 +6,10 @@
     trainer.export()             # a model directory (config.yaml, params/, tokenizer, manifest)
 
 The batch of step s depends only on (seed, s), so a resumed run sees exactly the batches an
-uninterrupted one would. Parameters and optimizer state are replicated over the mesh's `data`
-axis and the batch rows are split over it; XLA inserts the gradient all-reduce.
+uninterrupted one would. The batch rows split over the mesh's `data` axis; parameters and
+optimizer state split over `expert` / `tensor` by the rules table (parallel/mesh.py) and are
+replicated over `data`, and the routed experts run expert-parallel as in decoding. XLA inserts
+the gradient all-reduce.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from mbd_jax.checkpoint import save_model, write_manifest
 from mbd_jax.config import ModelConfig
 from mbd_jax.errors import UserError
 from mbd_jax.model.transformer import Transformer
-from mbd_jax.parallel.mesh import make_mesh
+from mbd_jax.parallel.mesh import make_mesh, param_shardings
 from mbd_jax.tokenizer import Tokenizer
 from mbd_jax.train import objective, tasks
 from mbd_jax.train.config import TrainConfig
@@ -75,6 +77,24 @@ def data_mesh(n: int = -1, devices: list | None = None) -> Mesh:
     return make_mesh({"data": n, "expert": 1, "tensor": 1}, devices)
 
 
+def like_params(tree: Any, params: Any, otherwise: NamedSharding) -> Any:
+    """Shardings for an optimizer-state tree: a leaf whose key path ends with a parameter's path
+    (and has its shape: AdamW's mu, nu) gets that parameter's sharding, any other leaf (step
+    counts) `otherwise`."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    by_path = {tuple(map(str, path)): leaf for path, leaf in flat}
+
+    def pick(path, leaf):
+        keys = tuple(map(str, path))
+        for i in range(len(keys)):
+            match = by_path.get(keys[i:])
+            if match is not None and match.shape == leaf.shape:
+                return match.sharding
+        return otherwise
+
+    return jax.tree_util.tree_map_with_path(pick, tree)
+
+
 def train_step(state: dict, batch: dict, *, model: Transformer, tx: optax.GradientTransformation,
                block_size: int, weighting: str) -> tuple[dict, dict]:
     loss = functools.partial(objective.loss_fn, model=model, block_size=block_size,
@@ -99,22 +119,25 @@ class Trainer:
         rows = tcfg.batch_size * len(objective.layouts(tcfg.seq_len // cfg.block_size, tcfg.g_max,
                                                        tcfg.n_random_layouts,
                                                        np.random.default_rng(0)))
-        if rows % self.mesh.size:
+        if rows % self.mesh.shape["data"]:
             raise UserError(f"batch_size: {rows} rows per step do not split over "
-                            f"{self.mesh.size} data-parallel devices")
+                            f"{self.mesh.shape['data']} data-parallel devices")
         self.replicated = NamedSharding(self.mesh, P())
         self.batch_sharding = NamedSharding(self.mesh, P("data"))
         self.tx = make_optimizer(tcfg)
-        params = jax.device_put(jax.tree.map(lambda p: jnp.array(p, jnp.float32), params),  # a copy: donated
-                                self.replicated)
+        to_f32 = jax.jit(lambda t: jax.tree.map(lambda p: jnp.array(p, jnp.float32, copy=True), t),
+                         out_shardings=param_shardings(self.cfg, self.mesh))  # a copy: donated
+        params = to_f32(params)
+        opt_shardings = like_params(jax.eval_shape(self.tx.init, params), params, self.replicated)
         self.state = {"params": params,
-                      "opt_state": jax.jit(self.tx.init, out_shardings=self.replicated)(params),
+                      "opt_state": jax.jit(self.tx.init, out_shardings=opt_shardings)(params),
                       "step": jax.device_put(jnp.int32(0), self.replicated)}
+        self.state_shardings = jax.tree.map(lambda a: a.sharding, self.state)
         self._step = jax.jit(
-            functools.partial(train_step, model=Transformer(self.cfg), tx=self.tx,
+            functools.partial(train_step, model=Transformer(self.cfg, self.mesh), tx=self.tx,
                               block_size=cfg.block_size, weighting=tcfg.weighting),
-            in_shardings=(self.replicated, self.batch_sharding),
-            out_shardings=(self.replicated, self.replicated), donate_argnums=0)
+            in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
         self._manager = None
         if tcfg.checkpoint_dir:
             import orbax.checkpoint as ocp
@@ -134,8 +157,8 @@ class Trainer:
             return False
         import orbax.checkpoint as ocp
 
-        abstract = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.replicated), self.state)
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                self.state)
         self.state = self._manager.restore(self._manager.latest_step(),
                                            args=ocp.args.StandardRestore(abstract))
         return True
@@ -185,34 +208,40 @@ class Trainer:
 
     def export(self, out_dir: str | pathlib.Path | None = None, info: dict | None = None
                ) -> pathlib.Path:
-        """Writes the trained model directory (float32 parameters; float32 compute)."""
+        """Writes the trained model directory (float32 parameters; float32 compute). Process 0
+        writes the files; every process writes its parameter shards (call it on all)."""
+        from mbd_jax.parallel import multihost
+
         out = self.tcfg.path(str(out_dir or self.tcfg.output))
-        if out.exists():
-            shutil.rmtree(out)
-        tok_name = None
-        if self.cfg.tokenizer:
-            src = pathlib.Path(self.cfg.tokenizer)
+        tok_name = None if not self.cfg.tokenizer else "tokenizer" + pathlib.Path(self.cfg.tokenizer).suffix
+        if multihost.is_leader():
+            if out.exists():
+                shutil.rmtree(out)
             out.mkdir(parents=True)
-            tok_name = "tokenizer" + src.suffix
-            shutil.copy2(src, out / tok_name)
+            if tok_name:
+                shutil.copy2(self.cfg.tokenizer, out / tok_name)
+        multihost.barrier("export")
         cfg = dataclasses.replace(self.cfg, tokenizer=tok_name, compute_dtype="float32")
-        params = jax.device_get(self.state["params"])
-        save_model(out, cfg, params)
-        write_manifest(out, {"trained_by": "mbd-jax train", "steps": self.step,
-                             "train_config": dataclasses.asdict(self.tcfg), **(info or {})})
+        save_model(out, cfg, self.state["params"])  # shard by shard
+        if multihost.is_leader():
+            write_manifest(out, {"trained_by": "mbd-jax train", "steps": self.step,
+                                 "train_config": dataclasses.asdict(self.tcfg), **(info or {})})
+        multihost.barrier("export done")
         return out
 
 
-def run_training(tcfg: TrainConfig, progress: bool = True) -> pathlib.Path:
-    """`mbd-jax train`: load the starting model, resume if a checkpoint exists, fit, export."""
+def run_training(tcfg: TrainConfig, progress: bool = True, mesh: Mesh | None = None) -> pathlib.Path:
+    """`mbd-jax train`: load the starting model, resume if a checkpoint exists, fit, export.
+    `mesh` (default: tcfg.data_parallel devices on `data`)."""
     from mbd_jax.checkpoint import load_model
 
-    model = load_model(tcfg.model)
+    mesh = mesh or data_mesh(tcfg.data_parallel)
+    model = load_model(tcfg.model, mesh=mesh)
     if model.tokenizer is None:
         raise UserError(f"model {tcfg.model}: training needs a tokenizer in its config")
     cfg = dataclasses.replace(model.cfg, tokenizer=str((model.path.parent / model.cfg.tokenizer)
                                                        .resolve()))
-    trainer = Trainer(tcfg, cfg, model.params, model.tokenizer)
+    trainer = Trainer(tcfg, cfg, model.params, model.tokenizer, mesh=mesh)
     resumed = trainer.restore()
     t0 = time.perf_counter()
     history = trainer.fit(progress=progress)

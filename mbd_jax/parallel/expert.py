@@ -1,0 +1,59 @@
+"""Expert parallelism: the routed experts inside `jax.shard_map`.
+
+Each device holds E / expert of the experts (and F / tensor of each expert's width) and the
+tokens of its `data` shard. Between the attention and the MoE the residual stream is replicated
+over `expert` and `tensor` (only rows split, on `data`), so every expert shard already holds all
+of its data shard's tokens and no dispatch collective is needed:
+
+    tokens x[N/data, D] (replicated over expert, tensor)
+      -> each shard: the copies routed to its own experts, grouped matmul (the model's moe_impl),
+         copies routed elsewhere get the id E_local and contribute nothing
+      -> psum over (expert, tensor) of the partial outputs [N/data, D], float32
+      -> out[N/data, D] (replicated over expert, tensor again)
+
+Why an all-reduce and not an all-to-all: decode steps carry few tokens (rows x the block window,
+tens to hundreds), so the step is bound by reading expert weights, which EP splits. A dropless
+all-to-all with static shapes must reserve N*k rows per destination, moving more bytes than the
+one [N, D] all-reduce here, which is the same collective tensor parallelism already needs after
+the MLP. Nothing is dropped: every copy is computed by exactly one shard, whatever the routing.
+(Large-N prefill and training would gain from an all-to-all dispatch; see docs/architecture.md.)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from mbd_jax.parallel.mesh import spec_for
+
+ExpertFn = Callable[..., jax.Array]
+
+
+def sharded_experts(impl: ExpertFn, mesh: Mesh) -> ExpertFn:
+    """`impl` (a moe.EXPERT_IMPLS path) run per shard under `mesh`; same contract as impl."""
+
+    def run(x, ids, weights, w_gate, w_up, w_down):
+        # x: [N, D]; ids, weights: [N, k]; w_gate, w_up: [E, D, F]; w_down: [E, F, D]
+        w_in = spec_for(("expert", "embed", "mlp"), w_gate.shape, mesh)
+        w_out = spec_for(("expert", "mlp", "embed"), w_down.shape, mesh)
+        rows = spec_for(("batch", None), x.shape, mesh)
+        split_experts = w_in[0] == "expert"
+        reduce_axes = tuple(a for a in ("expert", "tensor") if a in tuple(w_in))
+
+        def local(x, ids, weights, w_gate, w_up, w_down):
+            e_local = w_gate.shape[0]
+            first = jax.lax.axis_index("expert") * e_local if split_experts else 0
+            here = (ids >= first) & (ids < first + e_local)
+            out = impl(x, jnp.where(here, ids - first, e_local), weights, w_gate, w_up, w_down,
+                       out_dtype=jnp.float32)
+            if reduce_axes:
+                out = jax.lax.psum(out, reduce_axes)
+            return out.astype(x.dtype)
+
+        return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, w_in, w_in, w_out),
+                             out_specs=rows)(x, ids, weights, w_gate, w_up, w_down)
+
+    return run

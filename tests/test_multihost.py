@@ -1,0 +1,154 @@
+"""Multi-process launch on 127.0.0.1: two processes with 2 CPU devices each (gloo collectives)
+and one mesh across both, for offline generation and for the HTTP service; plus the launch
+flags' errors. Every process is bounded in time and killed at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import jax
+import numpy as np
+import pytest
+
+from mbd_jax.checkpoint import load_model
+from mbd_jax.config import DecodeConfig
+from mbd_jax.engine import Engine
+from tests.test_serving import KEY, ROOT, Server, free_port
+
+TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+PROMPTS = ["1,20,31,42,53", "1,9,8,7", "1,100,200,300,33,44,55,66,77"]
+
+
+def launch_flags(port: int, pid: int) -> list[str]:
+    return ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid)]
+
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def test_two_processes_generate_what_one_does():
+    args = [sys.executable, "-m", "mbd_jax", "generate", "--model", "tiny-mbd", "--json",
+            "--max-new-tokens", "24", "--buffer-size", "2"]
+    for p in PROMPTS:
+        args += ["--prompt-ids", p]
+    one = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=300,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert one.returncode == 0, one.stderr[-2000:]
+    port = free_port()
+    procs = [subprocess.Popen(args + ["--mesh", "expert=2,tensor=2"] + launch_flags(port, i),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                              env=dict(os.environ, **TWO_DEVICES)) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
+    want = [r["token_ids"] for r in json_lines(one.stdout)]
+    assert len(want) == 3 and any(len(t) > 4 for t in want)
+    assert [r["token_ids"] for r in json_lines(outs[0][0])] == want  # process 0 prints
+    assert json_lines(outs[1][0]) == []  # the other does not
+
+
+def test_two_process_service_answers_like_offline(tmp_path):
+    """Process 0 serves HTTP and sends every engine call to process 1; the completions equal
+    offline generation on one device, and SIGTERM on process 0 stops both cleanly."""
+    port = free_port()
+    follower = None
+    try:
+        # The follower starts with default flags: process 0's serve config and --mesh are used
+        # by both. It starts first, as process 0 waits for it to join before serving.
+        follower_log = open(tmp_path / "follower.log", "w")
+        follower = subprocess.Popen(
+            [sys.executable, "-m", "mbd_jax", "serve", *launch_flags(port, 1)],
+            cwd=ROOT, stdout=follower_log, stderr=subprocess.STDOUT,
+            env=dict(os.environ, **TWO_DEVICES))
+        sections = {"model": "tiny-mbd", "cache": {"enabled": False}}
+        srv = Server(tmp_path, [KEY], sections=sections,
+                     args=("--mesh", "expert=2,tensor=2", *launch_flags(port, 0)), env=TWO_DEVICES)
+        try:
+            m = load_model("tiny-mbd")
+            engine = Engine(m.cfg, m.params, batch_size=8, buffer_size=2, prefill_chunk=64,
+                            tokenizer=m.tokenizer)
+            prompts = ["12+30=", "sort: 3 1 2", "reverse: a b c d"]
+            want = engine.generate([m.tokenizer.encode(p) for p in prompts],
+                                   DecodeConfig(buffer_size=2, max_new_tokens=20))
+            with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as http:
+                for p, w in zip(prompts, want):
+                    r = http.post(srv.url + "/v1/completions",
+                                  json={"model": "tiny-mbd", "prompt": p, "max_tokens": 20})
+                    assert r.status_code == 200, r.text
+                    assert r.json()["choices"][0]["text"] == w.text
+                    assert r.json()["usage"]["completion_tokens"] == len(w.token_ids)
+            time.sleep(12)  # idle past a heartbeat; the service still answers after it
+            r = httpx.post(srv.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                           json={"model": "tiny-mbd", "prompt": prompts[0], "max_tokens": 20},
+                           timeout=120)
+            assert r.json()["choices"][0]["text"] == want[0].text
+            srv.proc.send_signal(signal.SIGTERM)
+            assert srv.proc.wait(timeout=60) == 0
+            assert follower.wait(timeout=60) == 0
+        finally:
+            srv.stop()
+    finally:
+        if follower is not None and follower.poll() is None:
+            follower.kill()
+            follower.wait(timeout=30)
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--process-id", "0"], "--process-id needs --coordinator and --num-processes"),
+    (["--coordinator", "127.0.0.1:1"], "needs --num-processes, --process-id too"),
+    (["--coordinator", "nohost", "--num-processes", "2", "--process-id", "0"], "expected HOST:PORT"),
+    (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"], "must be in [0, --num-processes 2)"),
+    (["--mesh", "tensor=3"], "needs 3 devices, 1 are present"),
+])
+def test_launch_flag_mistakes_exit_2_naming_them(flags, needle):
+    r = subprocess.run([sys.executable, "-m", "mbd_jax", "generate", "--prompt-ids", "1,2",
+                        "--max-new-tokens", "4", *flags], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 2, r.stderr[-1000:]
+    assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_two_process_training_matches_one_process(tmp_path):
+    """`mbd-jax train` over a (data 2, expert 2) mesh spanning two processes writes, shard by
+    shard, the same model as one process trains on one device."""
+    def config(name: str) -> str:
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(f"name: {name}\nmodel: tiny-moe\noutput: {tmp_path / name}\nsteps: 3\n"
+                        f"batch_size: 4\ncheckpoint_dir: {tmp_path / (name + '-ckpt')}\n"
+                        "checkpoint_every: 2\n")
+        return str(path)
+
+    train = [sys.executable, "-m", "mbd_jax", "train", "--no-progress", "--config"]
+    one = subprocess.run(train + [config("one")], capture_output=True, text=True, cwd=ROOT,
+                         timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert one.returncode == 0, one.stderr[-2000:]
+    port = free_port()
+    two = config("two")
+    procs = [subprocess.Popen(train + [two, "--mesh", "data=2,expert=2"] + launch_flags(port, i),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                              env=dict(os.environ, **TWO_DEVICES)) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
+    assert json_lines(outs[0][0]) == [{"model_dir": str(tmp_path / "two")}]
+    a, b = load_model(str(tmp_path / "one")), load_model(str(tmp_path / "two"))
+    manifest = json.loads((tmp_path / "two" / "manifest.json").read_text())
+    assert manifest["steps"] == 3
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=2e-5, rtol=1e-4)
+    start = load_model("tiny-moe").params  # 3 steps moved them 5x past the tolerance
+    assert max(float(np.abs(np.asarray(x) - np.asarray(y)).max())
+               for x, y in zip(jax.tree.leaves(start), jax.tree.leaves(b.params))) > 1e-4
