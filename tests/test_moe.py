@@ -1,5 +1,7 @@
 """Routers against a plain NumPy per-token reference; the grouped-matmul path against dense."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -110,7 +112,11 @@ def test_tiled_experts_with_idle_and_crowded_experts():
                                np.asarray(moe.experts_dense(x, ids, ws, wg, wu, wd)), atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["dense", "ragged", "tiled"])
+EP_IMPLS = {**moe.EXPERT_IMPLS,
+            "tiled_steps": functools.partial(moe.experts_tiled, tiles_per_step=2)}
+
+
+@pytest.mark.parametrize("impl", list(EP_IMPLS))
 def test_expert_shards_sum_to_the_whole(impl):
     """Expert parallelism's math on one device: each of 4 shards holds 2 of 8 experts and gets the
     local id 2 (= its expert count) for copies routed elsewhere; the shards' outputs sum to the
@@ -122,7 +128,7 @@ def test_expert_shards_sum_to_the_whole(impl):
     wd = jnp.asarray(rng.normal(size=(e, f, d)) * 0.3, jnp.float32)
     ids, ws = moe.route_softmax_topk(jnp.asarray(rng.normal(size=(n, e)), jnp.float32), k, True)
     whole = moe.experts_dense(x, ids, ws, wg, wu, wd)
-    fn = jax.jit(moe.EXPERT_IMPLS[impl])
+    fn = jax.jit(EP_IMPLS[impl])
     per = e // shards
     parts = []
     for s in range(shards):
@@ -133,3 +139,24 @@ def test_expert_shards_sum_to_the_whole(impl):
         parts.append(np.asarray(fn(x, local_ids, ws, wg[sl], wu[sl], wd[sl])))
     np.testing.assert_allclose(sum(parts), np.asarray(whole), atol=1e-5, rtol=0)
     assert np.abs(parts[0] - np.asarray(whole)).max() > 0.1
+
+
+def test_tiled_steps_skip_empty_tiles_and_differentiate_like_dense():
+    """tiles_per_step (the EP form of the tiled path): equal to dense, with the gradient of dense
+    (the loop is a lax.map of lax.cond), also when most copies are routed elsewhere."""
+    rng = np.random.default_rng(4)
+    n, d, f, e, k = 30, 16, 12, 8, 2
+    x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+    wg, wu = (jnp.asarray(rng.normal(size=(e, d, f)) * 0.3, jnp.float32) for _ in range(2))
+    wd = jnp.asarray(rng.normal(size=(e, f, d)) * 0.3, jnp.float32)
+    ids, ws = moe.route_softmax_topk(jnp.asarray(rng.normal(size=(n, e)), jnp.float32), k, True)
+    ids = jnp.where(ids < 2, ids, e)  # a shard holding experts 0-1 of a larger set
+    stepped = functools.partial(moe.experts_tiled, tiles_per_step=2, tile=4)
+    loss = lambda fn: lambda x, wg: jnp.sum(jnp.sin(fn(x, ids, ws, wg, wu, wd)))  # noqa: E731
+    np.testing.assert_allclose(np.asarray(jax.jit(stepped)(x, ids, ws, wg, wu, wd)),
+                               np.asarray(moe.experts_dense(x, ids, ws, wg, wu, wd)), atol=1e-5)
+    got = jax.jit(jax.grad(loss(stepped), argnums=(0, 1)))(x, wg)
+    want = jax.grad(loss(moe.experts_dense), argnums=(0, 1))(x, wg)
+    for a, b in zip(got, want):
+        assert float(jnp.abs(b).max()) > 1e-3
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)

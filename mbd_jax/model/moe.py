@@ -89,13 +89,17 @@ def experts_ragged(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax
 
 
 def experts_tiled(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
-                  w_up: jax.Array, w_down: jax.Array, out_dtype=None, tile: int = 16) -> jax.Array:
+                  w_up: jax.Array, w_down: jax.Array, out_dtype=None, tile: int = 16,
+                  tiles_per_step: int | None = None) -> jax.Array:
     """Grouped matmul by tiles: token copies sorted by expert, each expert's group padded to a
     multiple of `tile` rows, then one batched matmul over the tiles with each tile's expert weights.
 
     Dropless and static-shape: N*k copies need at most N*k + E*(tile-1) padded rows. Only the
     routed experts' work is done (dense does all E), at the price of gathering a weight matrix per
-    tile. Same contract as `experts_dense`.
+    tile. Occupied tiles come first; with `tiles_per_step`, the tiles are computed that many at a
+    time in a loop that skips every step past the last occupied tile (expert parallelism, where
+    most copies belong to other shards; a `lax.cond` per step, differentiable). Same contract as
+    `experts_dense`.
     """
     n, k = ids.shape
     e, d, _ = w_gate.shape
@@ -118,10 +122,33 @@ def experts_tiled(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.
     xs = jnp.where(valid[:, None], x[token], 0).reshape(rows // tile, tile, d)
     tile_expert = jnp.minimum(jnp.searchsorted(pad_end, jnp.arange(rows // tile) * tile,
                                                side="right"), e - 1)
-    h = jax.nn.silu(jnp.einsum("tmd,tdf->tmf", xs, w_gate[tile_expert])) * jnp.einsum(
-        "tmd,tdf->tmf", xs, w_up[tile_expert])
-    out = jnp.einsum("tmf,tfd->tmd", h, w_down[tile_expert],
-                     preferred_element_type=jnp.float32).reshape(rows, d)
+
+    def matmuls(xs, tile_expert):  # xs: [T, tile, D]; tile_expert: [T] -> [T, tile, D] float32
+        h = jax.nn.silu(jnp.einsum("tmd,tdf->tmf", xs, w_gate[tile_expert])) * jnp.einsum(
+            "tmd,tdf->tmf", xs, w_up[tile_expert])
+        return jnp.einsum("tmf,tfd->tmd", h, w_down[tile_expert], preferred_element_type=jnp.float32)
+
+    if tiles_per_step is None:
+        out = matmuls(xs, tile_expert).reshape(rows, d)
+    else:
+        g = tiles_per_step
+        steps = -(-(rows // tile) // g)
+        extra = steps * g - rows // tile  # pad the tiles to whole steps (zero rows, skipped)
+        xs = jnp.concatenate([xs, jnp.zeros((extra, tile, d), xs.dtype)]).reshape(steps, g, tile, d)
+        tile_expert = jnp.pad(tile_expert, (0, extra)).reshape(steps, g)
+        occupied = pad_end[-1] // tile  # tiles holding copies routed here
+
+        def step(args):
+            i, xs_i, te_i = args
+            return jax.lax.cond(i * g < occupied, matmuls, skip, xs_i, te_i)
+
+        def skip(xs, tile_expert):
+            # Zeros built from the operands, so that inside shard_map they vary over the same mesh
+            # axes as the matmuls' result (cond requires equal types).
+            return xs[..., :1].astype(jnp.float32) * 0.0 + w_down[0, :1].astype(jnp.float32) * 0.0
+
+        out = jax.lax.map(step, (jnp.arange(steps), xs, tile_expert))
+        out = out.reshape(steps * g * tile, d)[:rows]
     w = jnp.where(valid, weights.reshape(-1)[copy], 0.0)
     return jnp.zeros((n, d), jnp.float32).at[token].add(out * w[:, None]).astype(
         out_dtype or x.dtype)

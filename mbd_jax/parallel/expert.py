@@ -21,19 +21,25 @@ the MLP. Nothing is dropped: every copy is computed by exactly one shard, whatev
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from mbd_jax.model import moe
 from mbd_jax.parallel.mesh import spec_for
 
 ExpertFn = Callable[..., jax.Array]
+TILES_PER_STEP = 4  # tiled path under EP: tiles per loop step (the skip granularity)
 
 
 def sharded_experts(impl: ExpertFn, mesh: Mesh) -> ExpertFn:
-    """`impl` (a moe.EXPERT_IMPLS path) run per shard under `mesh`; same contract as impl."""
+    """`impl` (a moe.EXPERT_IMPLS path) run per shard under `mesh`; same contract as impl. The
+    tiled path skips the tiles past the shard's own copies (moe.experts_tiled tiles_per_step)."""
+    if impl is moe.experts_tiled and mesh.shape["expert"] > 1:
+        impl = functools.partial(impl, tiles_per_step=TILES_PER_STEP)
 
     def run(x, ids, weights, w_gate, w_up, w_down):
         # x: [N, D]; ids, weights: [N, k]; w_gate, w_up: [E, D, F]; w_down: [E, F, D]
@@ -44,6 +50,13 @@ def sharded_experts(impl: ExpertFn, mesh: Mesh) -> ExpertFn:
         reduce_axes = tuple(a for a in ("expert", "tensor") if a in tuple(w_in))
 
         def local(x, ids, weights, w_gate, w_up, w_down):
+            if rows[0] == "data":
+                # The weights are the same on every data shard but meet different tokens there.
+                # Marking them varying over `data` here puts the gradient's psum over `data` at
+                # this point, outside the tiled path's per-shard lax.cond (a collective inside a
+                # branch that some data shards skip would deadlock).
+                w_gate, w_up, w_down = (jax.lax.pcast(w, ("data",), to="varying")
+                                        for w in (w_gate, w_up, w_down))
             e_local = w_gate.shape[0]
             first = jax.lax.axis_index("expert") * e_local if split_experts else 0
             here = (ids >= first) & (ids < first + e_local)
