@@ -74,15 +74,21 @@ def test_sigmoid_grouped_matches_numpy(n_group, topk_group):
     assert any(set(a) != set(b) for a, b in zip(ref_ids.tolist(), no_bias_ids.tolist()))
 
 
+def random_moe(seed: int, n: int, d: int, f: int, e: int, k: int, scale: float):
+    """Tokens x [n, d], expert weights (scaled normal) and softmax top-k routing."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+    wg, wu = (jnp.asarray(rng.normal(size=(e, d, f)) * scale, jnp.float32) for _ in range(2))
+    wd = jnp.asarray(rng.normal(size=(e, f, d)) * scale, jnp.float32)
+    ids, ws = moe.route_softmax_topk(jnp.asarray(rng.normal(size=(n, e)), jnp.float32), k, True)
+    return x, wg, wu, wd, ids, ws
+
+
 @pytest.mark.parametrize("impl", ["ragged", "tiled"])
 def test_grouped_experts_equal_dense(impl):
     """Tolerance 1e-5 absolute in float32 (outputs are O(1)); only the summation order differs."""
-    rng = np.random.default_rng(2)
     n, d, f, e, k = 96, 32, 24, 8, 3
-    x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
-    wg, wu = (jnp.asarray(rng.normal(size=(e, d, f)) * 0.2, jnp.float32) for _ in range(2))
-    wd = jnp.asarray(rng.normal(size=(e, f, d)) * 0.2, jnp.float32)
-    ids, ws = moe.route_softmax_topk(jnp.asarray(rng.normal(size=(n, e)), jnp.float32), k, True)
+    x, wg, wu, wd, ids, ws = random_moe(2, n, d, f, e, k, 0.2)
     dense = moe.experts_dense(x, ids, ws, wg, wu, wd)
     ragged = jax.jit(moe.EXPERT_IMPLS[impl])(x, ids, ws, wg, wu, wd)
     assert float(jnp.max(jnp.abs(dense))) > 0.1
@@ -121,12 +127,8 @@ def test_expert_shards_sum_to_the_whole(impl):
     """Expert parallelism's math on one device: each of 4 shards holds 2 of 8 experts and gets the
     local id 2 (= its expert count) for copies routed elsewhere; the shards' outputs sum to the
     unsharded result, and a shard's output is not the whole (the sentinel really drops copies)."""
-    rng = np.random.default_rng(3)
-    n, d, f, e, k, shards = 40, 16, 12, 8, 2, 4
-    x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
-    wg, wu = (jnp.asarray(rng.normal(size=(e, d, f)) * 0.3, jnp.float32) for _ in range(2))
-    wd = jnp.asarray(rng.normal(size=(e, f, d)) * 0.3, jnp.float32)
-    ids, ws = moe.route_softmax_topk(jnp.asarray(rng.normal(size=(n, e)), jnp.float32), k, True)
+    e, shards = 8, 4
+    x, wg, wu, wd, ids, ws = random_moe(3, 40, 16, 12, e, 2, 0.3)
     whole = moe.experts_dense(x, ids, ws, wg, wu, wd)
     fn = jax.jit(EP_IMPLS[impl])
     per = e // shards
@@ -144,12 +146,8 @@ def test_expert_shards_sum_to_the_whole(impl):
 def test_tiled_steps_skip_empty_tiles_and_differentiate_like_dense():
     """tiles_per_step (the EP form of the tiled path): equal to dense, with the gradient of dense
     (the loop is a lax.map of lax.cond), also when most copies are routed elsewhere."""
-    rng = np.random.default_rng(4)
-    n, d, f, e, k = 30, 16, 12, 8, 2
-    x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
-    wg, wu = (jnp.asarray(rng.normal(size=(e, d, f)) * 0.3, jnp.float32) for _ in range(2))
-    wd = jnp.asarray(rng.normal(size=(e, f, d)) * 0.3, jnp.float32)
-    ids, ws = moe.route_softmax_topk(jnp.asarray(rng.normal(size=(n, e)), jnp.float32), k, True)
+    e = 8
+    x, wg, wu, wd, ids, ws = random_moe(4, 30, 16, 12, e, 2, 0.3)
     ids = jnp.where(ids < 2, ids, e)  # a shard holding experts 0-1 of a larger set
     stepped = functools.partial(moe.experts_tiled, tiles_per_step=2, tile=4)
     loss = lambda fn: lambda x, wg: jnp.sum(jnp.sin(fn(x, ids, ws, wg, wu, wd)))  # noqa: E731
