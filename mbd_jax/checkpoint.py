@@ -94,9 +94,11 @@ def _restore_params(path: pathlib.Path, cfg: ModelConfig, mesh: Mesh) -> Any:
                           f"({type(e).__name__}: {str(e)[:300]})") from None
 
 
-def load_model(model: str, *, with_weights: bool = True, mesh: Mesh | None = None) -> LoadedModel:
+def load_model(model: str, *, with_weights: bool = True, random_weights: bool = False,
+               mesh: Mesh | None = None) -> LoadedModel:
     """A model by preset name, YAML or directory, its parameters sharded over `mesh` (default:
-    the first device)."""
+    the first device). `random_weights`: initialise from the seed whatever the config says (benches
+    of shape-only presets); `with_weights=False`: the config and tokenizer only."""
     from mbd_jax.model.transformer import init_params
 
     config_path = resolve_model_path(model)
@@ -104,7 +106,7 @@ def load_model(model: str, *, with_weights: bool = True, mesh: Mesh | None = Non
     mesh = mesh if mesh is not None else meshlib.single_device_mesh()
     params = None
     if with_weights:
-        if cfg.init == "random":
+        if cfg.init == "random" or random_weights:
             params = init_params(cfg, mesh=mesh)
         elif cfg.init == "checkpoint":
             if (config_path.parent / "manifest.json").is_file():  # check every file

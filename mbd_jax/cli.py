@@ -126,7 +126,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_bench_decode(args: argparse.Namespace) -> int:
     from mbd_jax.bench import bench_decode, format_table
     from mbd_jax.checkpoint import load_model
-    from mbd_jax.model.transformer import init_params
 
     decode = _decode_config(args)
     try:
@@ -134,13 +133,12 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     except ValueError:
         raise UserError(f"--buffer-size {args.buffer_size_list!r}: expected integers like 1,2,4") from None
     mesh = multihost.mesh_from_args(args)
-    model = load_model(args.model, with_weights=not args.random_weights, mesh=mesh)
-    params = init_params(model.cfg, mesh=mesh) if args.random_weights else model.params
+    model = load_model(args.model, random_weights=args.random_weights, mesh=mesh)
     impls = args.moe_impl.split(",") if args.moe_impl else None
     for impl in impls or []:
         if impl not in ("dense", "ragged", "tiled"):
             raise UserError(f"--moe-impl {impl!r}: expected dense, ragged or tiled (comma-separated)")
-    report = bench_decode(model.cfg, params, batch=args.batch, prompt_len=args.prompt_len,
+    report = bench_decode(model.cfg, model.params, batch=args.batch, prompt_len=args.prompt_len,
                           new_tokens=args.new_tokens, buffer_sizes=sizes, decode=decode,
                           repeats=args.repeats, moe_impls=impls, mesh=mesh)
     if not multihost.is_leader():

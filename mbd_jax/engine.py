@@ -260,7 +260,7 @@ class Engine:
         """Generates for every prompt (token ids), batch_size rows at a time. On several
         processes, process 0's prompts and decode configs are used by all (multihost.share)."""
         decodes = list(decode) if isinstance(decode, (list, tuple)) else [decode] * len(prompts)
-        prompts, decodes = multihost.share(([list(map(int, p)) for p in prompts], decodes))
+        prompts, decodes = multihost.share((list(prompts), decodes))
         if len(decodes) != len(prompts):
             raise UserError(f"got {len(prompts)} prompts but {len(decodes)} decode configs")
         for i, (p, d) in enumerate(zip(prompts, decodes)):

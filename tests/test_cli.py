@@ -68,3 +68,21 @@ def test_malformed_yaml_names_field_and_allowed_values(tmp_path):
     r = run("generate", "--model", str(broken), "--prompt", "hi")
     assert r.returncode == 2 and "malformed YAML" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_bench_random_weights_runs_a_shape_only_preset(tmp_path):
+    """A shape-only config (init: none) refuses to load without weights, and benches with
+    --random-weights."""
+    shape = tmp_path / "shape.yaml"
+    text = (ROOT / "configs/models/tiny-random.yaml").read_text()
+    shape.write_text(text.replace("init: random", "init: none").replace(
+        "tokenizer: ../tokenizers/tiny.model", ""))
+    assert "init: none" in shape.read_text()
+    flags = ["bench", "decode", "--model", str(shape), "--batch", "1", "--prompt-len", "8",
+             "--new-tokens", "4", "--repeats", "1", "--json"]
+    refused = run(*flags)
+    assert refused.returncode == 2 and "describes a shape only" in refused.stderr
+    r = run(*flags, "--random-weights")
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report["rows"][0]["tokens_per_s"] > 0 and report["rows"][0]["compiles_after_warmup"] == 0

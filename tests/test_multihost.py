@@ -33,17 +33,20 @@ def json_lines(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
 
-def test_two_processes_generate_what_one_does():
-    args = [sys.executable, "-m", "mbd_jax", "generate", "--model", "tiny-mbd", "--json",
-            "--max-new-tokens", "24", "--buffer-size", "2"]
-    for p in PROMPTS:
-        args += ["--prompt-ids", p]
-    one = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=300,
-                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
-    assert one.returncode == 0, one.stderr[-2000:]
+def run_one(args: list[str]) -> str:
+    """`args` in one process on one CPU device; its stdout."""
+    r = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
+def run_two(args: list[str]) -> list[str]:
+    """`args` as processes 0 and 1 of a job (2 CPU devices each), bounded and killed at the end;
+    their stdouts."""
     port = free_port()
-    procs = [subprocess.Popen(args + ["--mesh", "expert=2,tensor=2"] + launch_flags(port, i),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    procs = [subprocess.Popen(args + launch_flags(port, i), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT,
                               env=dict(os.environ, **TWO_DEVICES)) for i in range(2)]
     try:
         outs = [p.communicate(timeout=300) for p in procs]
@@ -51,10 +54,20 @@ def test_two_processes_generate_what_one_does():
         for p in procs:
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
-    want = [r["token_ids"] for r in json_lines(one.stdout)]
+    return [out for out, _ in outs]
+
+
+def test_two_processes_generate_what_one_does():
+    args = [sys.executable, "-m", "mbd_jax", "generate", "--model", "tiny-mbd", "--json",
+            "--max-new-tokens", "24", "--buffer-size", "2"]
+    for p in PROMPTS:
+        args += ["--prompt-ids", p]
+    one = run_one(args)
+    outs = run_two(args + ["--mesh", "expert=2,tensor=2"])
+    want = [r["token_ids"] for r in json_lines(one)]
     assert len(want) == 3 and any(len(t) > 4 for t in want)
-    assert [r["token_ids"] for r in json_lines(outs[0][0])] == want  # process 0 prints
-    assert json_lines(outs[1][0]) == []  # the other does not
+    assert [r["token_ids"] for r in json_lines(outs[0])] == want  # process 0 prints
+    assert json_lines(outs[1]) == []  # the other does not
 
 
 def test_two_process_service_answers_like_offline(tmp_path):
@@ -129,21 +142,9 @@ def test_two_process_training_matches_one_process(tmp_path):
         return str(path)
 
     train = [sys.executable, "-m", "mbd_jax", "train", "--no-progress", "--config"]
-    one = subprocess.run(train + [config("one")], capture_output=True, text=True, cwd=ROOT,
-                         timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
-    assert one.returncode == 0, one.stderr[-2000:]
-    port = free_port()
-    two = config("two")
-    procs = [subprocess.Popen(train + [two, "--mesh", "data=2,expert=2"] + launch_flags(port, i),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                              env=dict(os.environ, **TWO_DEVICES)) for i in range(2)]
-    try:
-        outs = [p.communicate(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
-    assert json_lines(outs[0][0]) == [{"model_dir": str(tmp_path / "two")}]
+    run_one(train + [config("one")])
+    outs = run_two(train + [config("two"), "--mesh", "data=2,expert=2"])
+    assert json_lines(outs[0]) == [{"model_dir": str(tmp_path / "two")}]
     a, b = load_model(str(tmp_path / "one")), load_model(str(tmp_path / "two"))
     manifest = json.loads((tmp_path / "two" / "manifest.json").read_text())
     assert manifest["steps"] == 3

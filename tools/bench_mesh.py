@@ -49,7 +49,6 @@ def main() -> int:
     from mbd_jax.bench import bench_decode
     from mbd_jax.checkpoint import load_model
     from mbd_jax.config import DecodeConfig
-    from mbd_jax.model.transformer import init_params
     from mbd_jax.parallel import mesh as meshlib
 
     specs = args.meshes.split(";") if args.meshes else default_meshes(jax.device_count())
@@ -57,9 +56,8 @@ def main() -> int:
     for spec in specs:
         mesh = (meshlib.single_device_mesh() if spec == "one"
                 else meshlib.make_mesh(meshlib.parse_mesh(spec)))
-        model = load_model(args.model, with_weights=not args.random_weights, mesh=mesh)
-        params = init_params(model.cfg, mesh=mesh) if args.random_weights else model.params
-        report = bench_decode(model.cfg, params, batch=args.batch, prompt_len=args.prompt_len,
+        model = load_model(args.model, random_weights=args.random_weights, mesh=mesh)
+        report = bench_decode(model.cfg, model.params, batch=args.batch, prompt_len=args.prompt_len,
                               new_tokens=args.new_tokens, buffer_sizes=[args.buffer_size],
                               decode=DecodeConfig(), repeats=args.repeats, mesh=mesh)
         r = report["rows"][0]

@@ -158,8 +158,7 @@ class EngineLeader:
     def empty_state(self):
         return self._call(("empty_state",), self.engine.empty_state)
 
-    def begin_admit(self, requests, prefetched=None):
-        requests = {row: (list(map(int, p)), d) for row, (p, d) in requests.items()}
+    def begin_admit(self, requests, prefetched=None):  # (no prefix cache across processes)
         return self._call(("begin_admit", requests), self.engine.begin_admit, requests)
 
     def prefill_step(self, adm) -> bool:
