@@ -7,15 +7,18 @@ Every config is a frozen dataclass. `from_dict` rejects unknown fields and ill-t
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
-import re
 import types
 import typing
 from typing import Any, Literal
 
 import yaml
 
+from mbd_jax import user_regex
 from mbd_jax.errors import ConfigError
+
+INT32_MAX = 2**31 - 1
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODEL_PRESET_DIR = REPO_ROOT / "configs" / "models"  # architectures (random init or shape only)
@@ -40,8 +43,8 @@ def _type_ok(value: Any, tp: Any) -> bool:
         return isinstance(value, tp)
     if tp is type(None):
         return value is None
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is float:  # finite: NaN and infinities reach no device
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value)
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool)
     if tp is bool:
@@ -49,6 +52,19 @@ def _type_ok(value: Any, tp: Any) -> bool:
     if tp is str:
         return isinstance(value, str)
     return True
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _show(value: Any, limit: int = 48) -> str:
+    """repr(value), cut short (a hostile value can be megabytes long)."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**40 else "a huge integer"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _describe(tp: Any) -> str:
@@ -63,6 +79,8 @@ def _describe(tp: Any) -> str:
         return "a mapping of " + ", ".join(f.name for f in dataclasses.fields(tp))
     if tp is type(None):
         return "null"
+    if tp is float:
+        return "a finite number"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -80,10 +98,11 @@ def from_dict(cls, data: Any, where: str):
         raise ConfigError(f"{where}: expected a mapping of fields, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(_show(k, 64).strip("'") if isinstance(k, str) else _show(k)
+                     for k in set(data) - set(fields))
     if unknown:
         raise ConfigError(
-            f"{where}: unknown field(s) {', '.join(unknown)}; allowed fields: {', '.join(fields)}"
+            f"{where}: unknown field(s) {', '.join(unknown[:8])}; allowed fields: {', '.join(fields)}"
         )
     kwargs = {}
     for name, f in fields.items():
@@ -98,7 +117,7 @@ def from_dict(cls, data: Any, where: str):
             continue
         if not _type_ok(value, hints[name]):
             raise ConfigError(
-                f"{where}: field '{name}' must be {_describe(hints[name])}, got {value!r}"
+                f"{where}: field '{name}' must be {_describe(hints[name])}, got {_show(value)}"
             )
         if typing.get_origin(hints[name]) in (tuple, list) and value is not None:
             value = tuple(value)
@@ -111,6 +130,12 @@ def from_dict(cls, data: Any, where: str):
 def _check(cond: bool, where: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"{where}: {msg}")
+
+
+def _check_range(obj: Any, where: str, field: str, lo: float, hi: float) -> None:
+    """Field `field` of `obj` lies in [lo, hi] (bounds chosen so the device types hold it)."""
+    v = getattr(obj, field)
+    _check(lo <= v <= hi, where, f"field '{field}' must be in [{lo}, {hi}], got {_show(v)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,13 +314,14 @@ class VotingConfig:
     pattern: str | None = None  # regex extractor: the answer is group 1 (or the whole match)
 
     def validate(self, where: str = "voting") -> None:
-        _check(self.alpha >= 0.0, where, f"field 'alpha' must be >= 0, got {self.alpha}")
+        # exp(alpha * t / T) stays far inside float64 for alpha <= 100
+        _check_range(self, where, "alpha", 0.0, 100.0)
         if self.extractor == "regex":
             _check(bool(self.pattern), where, "extractor 'regex' needs field 'pattern'")
             try:
-                re.compile(self.pattern)
-            except re.error as e:
-                raise ConfigError(f"{where}: field 'pattern' is not a valid regex: {e}") from None
+                user_regex.compile_pattern(self.pattern)
+            except ValueError as e:
+                raise ConfigError(f"{where}: field 'pattern': {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,26 +347,23 @@ class DecodeConfig:
     voting: VotingConfig | None = None
 
     def validate(self, where: str = "decoding") -> None:
-        _check(self.buffer_size >= 1, where, f"field 'buffer_size' must be >= 1, got {self.buffer_size}")
+        # Integer fields become int32 device values; their bounds leave room for the sums the
+        # loop computes (block_size + max_post_edit_steps, prompt_len + max_new_tokens).
+        _check_range(self, where, "buffer_size", 1, 1024)
+        _check_range(self, where, "steps_per_block", 1, 1 << 16)
+        _check_range(self, where, "max_post_edit_steps", 0, 1 << 16)
+        _check_range(self, where, "max_new_tokens", 1, 1 << 30)
+        _check_range(self, where, "max_nfe", 1, 1 << 30)
+        _check_range(self, where, "add_block_threshold", 0.0, 1e6)
+        _check_range(self, where, "factor", 1e-6, 1e6)
+        _check_range(self, where, "temperature", 0.0, 100.0)
         for f in ("accept_threshold", "semi_complete_threshold", "token_stability_threshold"):
             v = getattr(self, f)
             _check(0.0 <= v <= 1.0, where, f"field '{f}' must be in [0, 1], got {v}")
-        _check(0.0 <= self.add_block_threshold, where,
-               f"field 'add_block_threshold' must be >= 0 (above 1 never adds early), got "
-               f"{self.add_block_threshold}")
-        _check(self.factor > 0.0, where, f"field 'factor' must be > 0, got {self.factor}")
         _check(0.0 <= self.edit_threshold <= 1.0, where,
                f"field 'edit_threshold' must be in [0, 1], got {self.edit_threshold}")
-        _check(self.max_post_edit_steps >= 0, where,
-               f"field 'max_post_edit_steps' must be >= 0, got {self.max_post_edit_steps}")
-        _check(self.steps_per_block >= 1, where,
-               f"field 'steps_per_block' must be >= 1, got {self.steps_per_block}")
-        _check(self.temperature >= 0.0, where, f"field 'temperature' must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, where, f"field 'top_p' must be in (0, 1], got {self.top_p}")
         _check(0 <= self.seed < 2**31, where, f"field 'seed' must be in [0, 2^31), got {self.seed}")
-        _check(self.max_new_tokens >= 1, where,
-               f"field 'max_new_tokens' must be >= 1, got {self.max_new_tokens}")
-        _check(self.max_nfe >= 1, where, f"field 'max_nfe' must be >= 1, got {self.max_nfe}")
 
     def tokens_per_step(self, block_size: int) -> int:
         return max(1, -(-block_size // self.steps_per_block))
@@ -360,14 +383,15 @@ class GenerationConfig:
     thinking_mode: bool = False  # default for requests that do not say `thinking`
     max_new_tokens: int = 128  # default when a request does not say
     max_new_tokens_limit: int = 1024  # the most a request may ask for
+    max_nfe_limit: int = 2048  # the most decode forwards a request may ask for (decoding.max_nfe)
     diffusion_steps: int | None = None  # if set: fixed_steps policy with this many steps per block
     thinking_max_new_tokens: int = 512  # thinking requests: their own token budget ...
     thinking_timeout_ms: int = 120000  # ... and time budget
     thinking_max_rows: int = 2  # ... and at most this many rows at once
 
     def validate(self, where: str = "generation") -> None:
-        for f in ("max_new_tokens", "max_new_tokens_limit", "thinking_max_new_tokens",
-                  "thinking_timeout_ms", "thinking_max_rows"):
+        for f in ("max_new_tokens", "max_new_tokens_limit", "max_nfe_limit",
+                  "thinking_max_new_tokens", "thinking_timeout_ms", "thinking_max_rows"):
             _check(getattr(self, f) >= 1, where, f"field '{f}' must be >= 1, got {getattr(self, f)}")
         _check(self.max_new_tokens <= self.max_new_tokens_limit, where,
                "field 'max_new_tokens' must be <= 'max_new_tokens_limit'")
@@ -392,15 +416,28 @@ class ServerConfig:
     max_segments: int = 64  # /generate segments per request
     rate_limit_per_s: float = 0.0  # per API key token bucket; 0 = unlimited
     rate_limit_burst: int = 20
-    drain_timeout_s: float = 30.0  # SIGTERM: finish in-flight requests within this
+    drain_timeout_s: float = 30.0  # SIGTERM: finish in-flight requests within this ...
+    drain_min_s: float = 2.0  # ... while answering 503 (/ready included) for at least this long
+    auth_failures_per_min: int = 30  # wrong API keys per client address before 429
+    # Connections (per port): beyond max_connections a new connection gets 503 and is closed; a
+    # connection must send its request headers within header_timeout_s and its body within
+    # body_timeout_s; an idle keep-alive connection is closed after keep_alive_s.
+    max_connections: int = 1024
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keep_alive_s: int = 5
+    max_engine_failures: int = 3  # engine failures in a row (no call succeeding) before it exits
 
     def validate(self, where: str = "server") -> None:
         for f in ("port", "admin_port", "max_batch_size", "buffer_size", "prefill_chunk",
                   "steps_per_call", "queue_size", "queue_timeout_ms", "generation_timeout_ms",
-                  "max_body_bytes", "max_segments", "rate_limit_burst"):
+                  "max_body_bytes", "max_segments", "rate_limit_burst", "auth_failures_per_min",
+                  "max_connections", "keep_alive_s", "max_engine_failures"):
             _check(getattr(self, f) >= 1, where, f"field '{f}' must be >= 1, got {getattr(self, f)}")
-        _check(self.rate_limit_per_s >= 0, where, "field 'rate_limit_per_s' must be >= 0")
-        _check(self.drain_timeout_s >= 0, where, "field 'drain_timeout_s' must be >= 0")
+        for f in ("rate_limit_per_s", "drain_timeout_s", "drain_min_s"):
+            _check(getattr(self, f) >= 0, where, f"field '{f}' must be >= 0, got {getattr(self, f)}")
+        for f in ("header_timeout_s", "body_timeout_s"):
+            _check(getattr(self, f) > 0, where, f"field '{f}' must be > 0, got {getattr(self, f)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -442,6 +479,8 @@ class ServeConfig:
     def validate(self, where: str = "serve") -> None:
         _check(self.decoding.buffer_size <= self.server.buffer_size, where,
                "decoding.buffer_size must be <= server.buffer_size (the compiled N_buf)")
+        _check(self.decoding.max_nfe <= self.generation.max_nfe_limit, where,
+               "decoding.max_nfe must be <= generation.max_nfe_limit")
 
 
 def load_serve_config(path: str | pathlib.Path | None, **overrides: Any) -> ServeConfig:

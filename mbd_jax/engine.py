@@ -144,8 +144,9 @@ class Engine:
         self.capacity = kvlib.kv_capacity(cfg, window + scratch)
         self.scratch_offset = self.capacity - scratch
         kv_sharding = meshlib.kv_shardings(cfg, self.mesh, batch_size, self.capacity)
-        self.kv = jax.jit(lambda: kvlib.allocate(cfg, batch_size, self.capacity),
-                          out_shardings=kv_sharding)()
+        self._allocate_kv = jax.jit(lambda: kvlib.allocate(cfg, batch_size, self.capacity),
+                                    out_shardings=kv_sharding)
+        self.kv = self._allocate_kv()
         apply_fn = Transformer(cfg, self.mesh).apply
         self._prefill = jax.jit(functools.partial(loop.prefill, apply_fn=apply_fn),
                                 static_argnames=("scratch_offset",), donate_argnames=("kv",),
@@ -167,6 +168,8 @@ class Engine:
             if jax.process_count() > 1:
                 raise UserError("the prefix cache runs on one process; disable cache.enabled for "
                                 "a multi-process launch")
+            prefix_store.expect((cfg.num_layers, 2, cfg.block_size, cfg.num_kv_heads,
+                                 cfg.head_dim), self.kv.k[0].dtype)
             self._load = jax.jit(kvlib.load_blocks, donate_argnames=("kv",),
                                  out_shardings=kv_sharding)
             gather = jax.jit(lambda staging, kv, rows, starts: kvlib.gather_blocks(
@@ -445,6 +448,20 @@ class Engine:
         while not self.prefill_step(adm):
             pass
         return self.finish_admit(state, adm)
+
+    def buffers_intact(self, state: DecodeState) -> bool:
+        """Whether the KV buffer and `state` still hold their device memory (a call that failed
+        after taking its donated buffers leaves them deleted)."""
+        return not any(x.is_deleted() for x in jax.tree.leaves((self.kv, state))
+                       if isinstance(x, jax.Array))
+
+    def reset_buffers(self) -> None:
+        """A fresh, empty KV buffer (after a failure lost the old one); every row is free."""
+        self.kv = self._allocate_kv()
+        self._host = None
+        if self.offloader is not None:
+            for row in range(self.batch_size):
+                self.offloader.reset_row(row, 0)
 
     def cancel(self, state: DecodeState, rows: Sequence[int]) -> DecodeState:
         """Frees rows (a client went away): they stop at the next step."""

@@ -31,6 +31,17 @@ class Metrics:
         self.empty = Counter("mbd_empty_responses", "Requests that returned no token", registry=r)
         self.rate_limited = Counter("mbd_rate_limited", "Requests refused by the rate limit",
                                     registry=r)
+        self.rejected = Counter("mbd_requests_rejected", "Requests refused or ended before "
+                                "running, by reason (queue_full, queue_timeout, draining, loading, "
+                                "engine_down, rate_limit, auth, auth_failures, drain_timeout)",
+                                ["reason"], registry=r)
+        self.engine_failures = Counter("mbd_engine_failures", "Engine steps that raised (their "
+                                       "requests got 500; the engine recovered)", registry=r)
+        self.connections_refused = Counter("mbd_connections_refused", "Connections closed at "
+                                           "once: max_connections reached", registry=r)
+        self.connections_timed_out = Counter("mbd_connections_timed_out", "Connections closed "
+                                             "for sending no request headers in header_timeout_s",
+                                             registry=r)
         self.compilations = Gauge("mbd_compilations", "XLA compilations in this process", registry=r)
         self.compilations.set_function(compile_stats.compiles)
         if engine is not None and engine.prefix_store is not None:
@@ -61,6 +72,12 @@ class Metrics:
               lambda: off.stats.queue_depth)
         gauge("mbd_kv_offload_blocking_waits", "Times the engine thread waited on a host copy",
               lambda: off.stats.blocking_waits)
+        gauge("mbd_kv_offload_deferred_calls", "Decode calls that staged nothing because both "
+              "staging buffers were still draining (their blocks wait for a later call)",
+              lambda: off.stats.deferred_calls)
+        gauge("mbd_prefix_cache_disk_dropped", "Blocks not written to disk: the write queue was "
+              "full", lambda: st.disk_dropped)
+        gauge("mbd_prefix_cache_disk_entries", "Entries in the disk tier", lambda: st.disk_entries)
         gauge("mbd_prefix_cache_seconds_saved", "Prefill time saved by hits (hit tokens x the "
               "measured prefill seconds per token)",
               lambda: engine.prefix_hit_tokens * engine.prefill_seconds_per_token)

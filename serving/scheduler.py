@@ -4,16 +4,24 @@ One thread owns the devices. Requests wait in two bounded queues (normal and thi
 with its own row, token and time budgets); between decode calls the thread refills free rows
 (prefilling only those rows), frees the rows of finished, cancelled or timed-out requests, and
 hands every newly committed block to its request's asyncio queue.
+
+Failures: an exception in one iteration fails the requests that iteration touched (the admitted
+rows, or every row for a decode call) with a 500 event and the loop goes on; device buffers lost
+with the failed call are allocated afresh. Only `max_engine_failures` decode failures in a row, or
+a failed warm-up, stop the engine for good (`error` is set, `on_fatal` tells the server, which
+exits non-zero). Voting results are computed off this thread (user patterns, trajectory decoding).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -30,6 +38,10 @@ class QueueFull(Exception):
 
 class Draining(Exception):
     pass
+
+
+class EngineDown(Exception):
+    """The engine has failed for good; the process is exiting."""
 
 
 @dataclasses.dataclass
@@ -70,7 +82,10 @@ class Scheduler:
         self._lock = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="mbd-engine", daemon=True)
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # set when the engine has failed for good
+        self.on_fatal: Callable[[], None] = lambda: None  # called (engine thread) when it has
+        self._touched: set[int] = set()  # rows the current iteration's step works on
+        self._voting = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mbd-vote")
 
     # ------------------------------------------------------------ called from the HTTP side
     def start(self) -> None:
@@ -80,6 +95,8 @@ class Scheduler:
         """Queues requests (all or none). QueueFull when, beyond the free rows, more than
         queue_size would wait; Draining after SIGTERM."""
         with self._lock:
+            if self.error is not None:
+                raise EngineDown()
             if self.draining:
                 raise Draining()
             waiting = sum(len(q) for q in self._queues.values())
@@ -95,11 +112,23 @@ class Scheduler:
         with self._lock:
             return len(self._rows) + sum(len(q) for q in self._queues.values())
 
+    def abort_all(self, status: int, message: str) -> int:
+        """Ends every queued and running request with an error event (the drain ran out of
+        time); their rows are freed at the engine's next step. Returns how many were ended."""
+        with self._lock:
+            victims = [r for r in list(self._rows.values()) + [r for q in self._queues.values()
+                                                                for r in q] if not r.cancelled]
+        for r in victims:
+            r.cancelled = True
+            r.emit("error", status, message)
+        return len(victims)
+
     def stop(self) -> None:
         with self._lock:
             self._stop = True
             self._lock.notify()
         self._thread.join(timeout=30)
+        self._voting.shutdown(wait=True, cancel_futures=False)
         if self.engine.offloader is not None:  # persist what is staged before exiting
             self.engine.offloader.close()
 
@@ -108,34 +137,98 @@ class Scheduler:
         try:
             self.engine.warmup()
             state = self.engine.empty_state()
-            self.ready = True
-            log.info("engine ready: %d rows, N_buf %d", self.engine.batch_size,
-                     self.engine.buffer_size)
+        except BaseException as e:
+            self._fatal(e)
+            return
+        self.ready = True
+        log.info("engine ready: %d rows, N_buf %d", self.engine.batch_size, self.engine.buffer_size)
+        admission = None
+        failures = 0  # decode failures since the last decode call that succeeded
+        while True:
+            with self._lock:
+                while not self._stop and not self._rows and not any(self._queues.values()):
+                    self._lock.wait(timeout=0.5)
+                if self._stop:
+                    break
+            try:
+                state, admission, decoded = self._iteration(state, admission)
+                failures = 0 if decoded else failures
+            except Exception as e:
+                batch_wide = self._touched == set(self._rows)
+                failures += batch_wide
+                self.metrics.engine_failures.inc()
+                log.exception("engine step failed on rows %s", sorted(self._touched))
+                if failures >= self.cfg.server.max_engine_failures:
+                    self._fatal(e)
+                    return
+                try:
+                    state, admission = self._recover(state, admission)
+                except BaseException as e2:
+                    self._fatal(e2)
+                    return
+            except BaseException as e:
+                self._fatal(e)
+                return
+
+    def _iteration(self, state, admission):
+        """Expire, admit (one prefill chunk), decode, publish. Returns (state, admission, whether
+        a decode call ran)."""
+        self._touched = set()
+        state = self._expire_and_cancel(state)
+        self._prefetch()
+        # Prefill one chunk per iteration, so a long prompt does not stall running rows for more
+        # than one chunk between their decode calls.
+        if admission is None:
+            admission = self._begin_admission()
+        if admission is not None:
+            self._touched = set(self._prefilling)
+            if self.engine.prefill_step(admission):
+                state = self.engine.finish_admit(state, admission)
+                self._prefilling.clear()
+                admission = None
+        decoding = set(self._rows) - self._prefilling
+        if not decoding:
+            return state, admission, False
+        self._touched = set(self._rows)  # one program runs every row
+        state = self.engine.decode_call(state, self.cfg.server.steps_per_call)
+        self._publish(self._fetch(state))
+        return state, admission, True
+
+    def _recover(self, state, admission):
+        """After a failed step: fails the requests it touched and frees their rows; when the
+        device buffers went down with the failed call, every row is failed and they are
+        allocated afresh. Returns (state, admission) to go on with."""
+        lost = not self.engine.buffers_intact(state)
+        victims = set(self._rows) if lost else set(self._touched)
+        with self._lock:
+            failed = [self._rows.pop(row) for row in victims if row in self._rows]
+        for r in failed:
+            r.emit("error", 500, "the engine failed while running this request; it has "
+                                 "recovered, retry the request")
+        if lost:
+            self.engine.reset_buffers()
+            state = self.engine.empty_state()
+        elif victims:
+            state = self.engine.cancel(state, sorted(victims))
+        if admission is not None and set(self._prefilling) & victims:
             admission = None
-            while True:
-                with self._lock:
-                    while not self._stop and not self._rows and not any(self._queues.values()):
-                        self._lock.wait(timeout=0.5)
-                    if self._stop:
-                        break
-                state = self._expire_and_cancel(state)
-                self._prefetch()
-                # Prefill one chunk per iteration, so a long prompt does not stall running rows
-                # for more than one chunk between their decode calls.
-                if admission is None:
-                    admission = self._begin_admission()
-                if admission is not None and self.engine.prefill_step(admission):
-                    state = self.engine.finish_admit(state, admission)
-                    self._prefilling.clear()
-                    admission = None
-                if len(self._rows) > len(self._prefilling):
-                    state = self.engine.decode_call(state, self.cfg.server.steps_per_call)
-                    self._publish(self._fetch(state))
-        except BaseException as e:  # the service cannot go on without its engine: say so loudly
+        self._prefilling -= victims
+        self.metrics.busy_rows.set(len(self._rows))
+        return state, admission
+
+    def _fatal(self, e: BaseException) -> None:
+        """The engine cannot go on: fail everything, refuse new work, tell the server."""
+        with self._lock:
             self.error = e
-            log.exception("engine thread failed")
-            for r in list(self._rows.values()) + [r for q in self._queues.values() for r in q]:
-                r.emit("error", 500, "the engine failed; see the server log")
+            victims = list(self._rows.values()) + [r for q in self._queues.values() for r in q]
+            self._rows.clear()
+            for q in self._queues.values():
+                q.clear()
+        log.error("the engine failed for good (%s: %s); the server exits", type(e).__name__, e,
+                  exc_info=e)
+        for r in victims:
+            r.emit("error", 503, "the engine failed; the server is restarting")
+        self.on_fatal()
 
     def _budget(self, r: Request) -> float:
         g = self.cfg.generation
@@ -148,8 +241,10 @@ class Scheduler:
             for q in self._queues.values():
                 for r in [r for r in q if r.cancelled or now - r.arrived > queue_timeout]:
                     q.remove(r)
-                    if not r.cancelled:
-                        r.emit("error", 504, f"request waited more than queue_timeout_ms "
+                    if not r.cancelled:  # overload: the client may retry (503 + Retry-After)
+                        self.metrics.rejected.labels("queue_timeout").inc()
+                        r.emit("error", 503, f"the server is overloaded: the request waited more "
+                                             f"than queue_timeout_ms "
                                              f"({self.cfg.server.queue_timeout_ms}) for a free row")
         gone = [row for row, r in self._rows.items() if row not in self._prefilling
                 and (r.cancelled or now - (r.started or now) > self._budget(r))]
@@ -203,6 +298,7 @@ class Scheduler:
             self.metrics.queue_wait.observe(now - r.arrived)
         self.metrics.busy_rows.set(len(self._rows))
         self._prefilling = set(picked)
+        self._touched = set(picked)  # a failure from here on fails these requests
         return self.engine.begin_admit({row: (r.prompt, r.decode) for row, r in picked.items()},
                                        prefetched={row: r.prefix for row, r in picked.items()})
 
@@ -245,16 +341,32 @@ class Scheduler:
                     r.emit("tokens", delta_ids, delta_text)
                     r.sent_tokens, r.sent_text = len(ids), r.sent_text + delta_text
             if done:
-                result: GenerationResult = self.engine.result_of(host, row, now - r.arrived,
-                                                                 r.decode)
-                self.metrics.latency.observe(now - r.arrived)
-                self.metrics.generated_tokens.inc(len(result.token_ids))
-                self.metrics.nfe.inc(result.nfe)
-                self.metrics.tpf.observe(result.tpf)
-                if not result.token_ids:
-                    self.metrics.empty.inc()
-                r.emit("done", result)
+                self._finish(r, host, row, now)
                 with self._lock:
                     del self._rows[row]
         self.metrics.busy_rows.set(len(self._rows))
         self.metrics.kv_usage.set(used / (self.engine.batch_size * self.engine.capacity))
+
+    def _finish(self, r: Request, host, row: int, now: float) -> None:
+        """Builds and sends a finished row's result; with voting (user patterns, one decode per
+        recorded step) on the voting thread, so the engine thread never waits on it."""
+        def finish() -> None:
+            try:
+                result: GenerationResult = self.engine.result_of(host, row, now - r.arrived,
+                                                                 r.decode)
+            except Exception:
+                log.exception("building the result of %s failed", r.id)
+                r.emit("error", 500, "building this request's result failed; see the server log")
+                return
+            self.metrics.latency.observe(now - r.arrived)
+            self.metrics.generated_tokens.inc(len(result.token_ids))
+            self.metrics.nfe.inc(result.nfe)
+            self.metrics.tpf.observe(result.tpf)
+            if not result.token_ids:
+                self.metrics.empty.inc()
+            r.emit("done", result)
+
+        if r.decode.voting is None:
+            finish()
+        else:
+            self._voting.submit(finish)

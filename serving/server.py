@@ -1,8 +1,13 @@
 """`mbd-jax serve`: the data and admin apps on two uvicorn servers, the engine thread, SIGTERM drain.
 
 Startup: the HTTP ports open at once (/health 200, /ready 503) while the engine thread loads and
-compiles every shape; /ready turns 200 when it can serve. SIGTERM (or SIGINT): /ready turns 503
-and new requests get 503, in-flight ones finish (up to drain_timeout_s), then the process exits 0.
+compiles every shape; /ready turns 200 when it can serve.
+
+SIGTERM (or SIGINT) drains: the ports keep listening and answer 503 to new work (/ready too) for
+at least drain_min_s and until the in-flight requests finish, at most drain_timeout_s; requests
+still running then end with a 503 error (an error event on streams). Exit codes: 0 after a clean
+drain, 3 when accepted requests were cut by the drain timeout, 1 when the engine failed for good
+(the process exits then rather than serve without an engine; /health says 503 meanwhile).
 
 Across several processes (--coordinator ...), process 0 serves HTTP and drives the engine; the
 others only mirror its engine calls (parallel/multihost.py) and exit when it stops.
@@ -27,10 +32,13 @@ from mbd_jax.engine import Engine
 from mbd_jax.errors import UserError
 from mbd_jax.parallel import multihost
 from serving.app import Service, build_apps
+from serving.connections import connection_budget, guarded_protocol, quiet_repeats
 from serving.metrics import Metrics
 from serving.scheduler import Scheduler
 
 log = logging.getLogger("mbd_jax.serving")
+
+EXIT_OK, EXIT_ENGINE_FAILED, EXIT_DRAIN_CUT = 0, 1, 3
 
 
 class _Server(uvicorn.Server):
@@ -90,33 +98,60 @@ def build_service(cfg: ServeConfig, api_keys: list[str], profile_dir: str = "pro
                    api_keys=api_keys, profile_dir=pathlib.Path(profile_dir))
 
 
-async def _serve(svc: Service) -> None:
+async def _serve(svc: Service) -> int:
+    """Runs both servers until a drain or an engine failure ends them; returns the exit code."""
     s = svc.cfg.server
     data, admin = build_apps(svc)
     level = svc.cfg.monitoring.log_level
+    protocol = guarded_protocol(connection_budget(2, s.max_connections), s.header_timeout_s,
+                                svc.metrics)
     servers = [_Server(uvicorn.Config(app, host=host, port=port, log_level=level, lifespan="off",
-                                      access_log=False, timeout_graceful_shutdown=5))
+                                      access_log=False, timeout_graceful_shutdown=5,
+                                      timeout_keep_alive=s.keep_alive_s, http=protocol))
                for app, host, port in ((data, s.host, s.port), (admin, s.admin_host, s.admin_port))]
+    quiet_repeats()  # after uvicorn.Config set up its loggers
     loop = asyncio.get_running_loop()
-    draining = asyncio.Event()
+    draining, failed = asyncio.Event(), asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, draining.set)
+    svc.scheduler.on_fatal = lambda: loop.call_soon_threadsafe(failed.set)
+    code = EXIT_OK
 
-    async def drain():
-        await draining.wait()
-        log.info("draining: %d requests in flight", svc.scheduler.in_flight())
-        svc.scheduler.draining = True
-        deadline = loop.time() + s.drain_timeout_s
-        while svc.scheduler.in_flight() and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.2)  # let the last responses flush
+    def stop_servers() -> None:
         for server in servers:
             server.should_exit = True
 
+    async def drain():
+        nonlocal code
+        await draining.wait()
+        log.info("draining: %d requests in flight", svc.scheduler.in_flight())
+        svc.scheduler.draining = True
+        start = loop.time()
+        while svc.scheduler.in_flight() and loop.time() < start + s.drain_timeout_s:
+            await asyncio.sleep(0.05)
+        cut = svc.scheduler.abort_all(503, f"the server shut down before this request finished "
+                                           f"(drain_timeout_s {s.drain_timeout_s:g})")
+        if cut:
+            svc.metrics.rejected.labels("drain_timeout").inc(cut)
+            log.error("drain timeout: %d accepted requests were cut", cut)
+            code = EXIT_DRAIN_CUT
+        await asyncio.sleep(max(0.0, start + s.drain_min_s - loop.time()))
+        await asyncio.sleep(0.2)  # let the last responses flush
+        stop_servers()
+
+    async def engine_failed():
+        nonlocal code
+        await failed.wait()
+        code = EXIT_ENGINE_FAILED
+        await asyncio.sleep(0.5)  # let the error responses flush
+        stop_servers()
+
     svc.scheduler.start()
-    drainer = asyncio.create_task(drain())
+    watchers = [asyncio.create_task(drain()), asyncio.create_task(engine_failed())]
     await asyncio.gather(*(server.serve() for server in servers))
-    drainer.cancel()
+    for w in watchers:
+        w.cancel()
+    return code
 
 
 def serve(cfg: ServeConfig, api_keys: list[str], mesh: jax.sharding.Mesh | None = None) -> int:
@@ -129,10 +164,11 @@ def serve(cfg: ServeConfig, api_keys: list[str], mesh: jax.sharding.Mesh | None 
     if not api_keys:
         log.warning("no API keys configured (--api-key-file or MBD_API_KEYS): the service is open")
     svc = build_service(cfg, api_keys, mesh=mesh)
+    code = EXIT_ENGINE_FAILED
     try:
-        asyncio.run(_serve(svc))
+        code = asyncio.run(_serve(svc))
     finally:
         svc.scheduler.stop()
         if isinstance(svc.scheduler.engine, multihost.EngineLeader):
             svc.scheduler.engine.close()
-    return 0 if svc.scheduler.error is None else 1
+    return EXIT_ENGINE_FAILED if svc.scheduler.error is not None else code

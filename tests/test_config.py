@@ -44,5 +44,24 @@ def test_decode_config_validation():
         decode_config(top_p=0.0)
     with pytest.raises(ConfigError, match="'policy' must be one of 'threshold', 'fixed_steps'"):
         decode_config(policy="factor?")
-    with pytest.raises(ConfigError, match="'max_new_tokens' must be >= 1"):
+    with pytest.raises(ConfigError, match="'max_new_tokens' must be in \\[1, "):
         decode_config(max_new_tokens=0)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    # values that once reached the device and overflowed int32 / float32, or looped forever
+    ("max_nfe", 2**31, "'max_nfe' must be in \\[1, 1073741824\\]"),
+    ("max_post_edit_steps", 2**40, "'max_post_edit_steps' must be in \\[0, 65536\\]"),
+    ("steps_per_block", 2**33, "'steps_per_block' must be in"),
+    ("seed", -1, "'seed' must be in"),
+    ("temperature", float("nan"), "'temperature' must be a finite number"),
+    ("factor", float("inf"), "'factor' must be a finite number"),
+    ("add_block_threshold", 10**400, "'add_block_threshold' must be a finite number, got a huge"),
+    ("voting", {"alpha": 800.0}, "'alpha' must be in \\[0.0, 100.0\\]"),
+    ("voting", {"extractor": "regex", "pattern": "(a)\\1"}, "'pattern': not a regex RE2"),
+    ("voting", {"extractor": "regex", "pattern": "a{100000}"}, "'pattern': .*repetition"),
+    ("voting", {"extractor": "regex", "pattern": "x" * 600}, "'pattern': the pattern has 600"),
+])
+def test_decode_fields_are_bounded_to_what_the_device_holds(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        from_dict(DecodeConfig, {field: value}, "decoding")

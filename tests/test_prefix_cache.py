@@ -4,6 +4,9 @@ engine's cache path (exactness against a cold prefill, restart reuse, overlap of
 from __future__ import annotations
 
 import logging
+import os
+import pathlib
+import threading
 
 import jax
 import numpy as np
@@ -62,6 +65,7 @@ def test_disk_tier_survives_a_restart_and_expires(tmp_path):
                         disk_bytes=10 * ENTRY_BYTES, ttl_s=60, clock=clock)
     for i in range(3):
         first.put(f"k{i}", entry(i))
+    first.flush()
     second = PrefixStore("m", 8, ram_bytes=ENTRY_BYTES, storage_path=tmp_path,
                          disk_bytes=10 * ENTRY_BYTES, ttl_s=60, clock=clock)
     assert second.stats.disk_bytes > 3 * ENTRY_BYTES
@@ -80,27 +84,97 @@ def test_disk_tier_capacity_drops_the_oldest(tmp_path):
     store = PrefixStore("m", 8, ram_bytes=0, storage_path=tmp_path, disk_bytes=3 * ENTRY_BYTES + 500)
     for i in range(6):
         store.put(f"k{i}", entry(i))
+        store.flush()
         files = list(tmp_path.rglob("*.kv"))
         assert sum(f.stat().st_size for f in files) <= 3 * ENTRY_BYTES + 500
     assert store.get("k0") is None and store.get("k5") is not None
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip"])
-def test_corrupt_entry_is_detected_ignored_and_rewritten(tmp_path, damage, caplog):
+def _header_offset(field: str) -> int:
+    """Byte offset of a header field in a disk entry (magic 8, digest 32, n 8, dtype 16, shape)."""
+    return {"digest": 8, "length": 40, "dtype": 48, "shape": 64, "shape_pad": 64 + 5 * 8}[field]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "payload", "digest", "length", "dtype", "shape",
+                                    "shape_pad", "swapped"])
+def test_damaged_entry_is_detected_removed_and_rewritten(tmp_path, damage, caplog):
+    """Any flipped bit (payload or any header field, including a zero shape slot turned 1, which
+    still reshapes), a truncation, or a valid entry copied over another key's file is caught on
+    read: never used, removed, counted; the next offload of the block writes it again."""
     store = PrefixStore("m", 8, ram_bytes=0, storage_path=tmp_path, disk_bytes=1 << 20)
+    store.expect(ENTRY, np.float32)
     store.put("k0", entry(0))
+    store.put("k1", entry(1))
+    store.flush()
     (path,) = tmp_path.rglob("k0.kv")
     data = bytearray(path.read_bytes())
     if damage == "truncate":
         data = data[: len(data) // 2]
-    else:
+    elif damage == "payload":
         data[-7] ^= 0x10
+    elif damage == "swapped":
+        data = bytearray(next(tmp_path.rglob("k1.kv")).read_bytes())
+    else:
+        data[_header_offset(damage)] ^= 0x01
     path.write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING, logger="mbd_jax.cache"):
-        assert store.get("k0") is None
+    restarted = PrefixStore("m", 8, ram_bytes=0, storage_path=tmp_path, disk_bytes=1 << 20)
+    restarted.expect(ENTRY, np.float32)
+    for s in (store, restarted):
+        with caplog.at_level(logging.WARNING, logger="mbd_jax.cache"):
+            assert s.get("k0") is None
     assert store.stats.corrupt == 1 and "corrupt" in caplog.text and not path.exists()
+    assert "k0" not in store and "k0" not in restarted
+    np.testing.assert_array_equal(restarted.get("k1"), entry(1))  # the other entry is fine
     store.put("k0", entry(0))  # the next offload of that block rewrites it
-    np.testing.assert_array_equal(store.get("k0"), entry(0))
+    store.flush()
+    np.testing.assert_array_equal(PrefixStore("m", 8, ram_bytes=0, storage_path=tmp_path,
+                                              disk_bytes=1 << 20).get("k0"), entry(0))
+
+
+def test_entry_of_another_layout_is_never_served(tmp_path):
+    """A well-formed entry whose shape is not the engine's (another model's files, an old
+    layout) counts as corrupt and is removed instead of reaching the device."""
+    store = PrefixStore("m", 8, ram_bytes=0, storage_path=tmp_path, disk_bytes=1 << 20)
+    store.put("k0", np.zeros((3, 2, 8, 2, 8), np.float32))
+    store.flush()
+    strict = PrefixStore("m", 8, ram_bytes=0, storage_path=tmp_path, disk_bytes=1 << 20)
+    strict.expect(ENTRY, np.float32)
+    assert strict.get("k0") is None and strict.stats.corrupt == 1
+    with pytest.raises(ValueError, match="not the expected"):
+        strict.put("k1", np.zeros((3, 2, 8, 2, 8), np.float32))
+
+
+def test_disk_index_answers_without_touching_the_directory(tmp_path, monkeypatch):
+    """After startup, membership, capacity eviction and writes use the in-memory index: no
+    directory listing or stat of other files on the write path (it used to glob every file)."""
+    store = PrefixStore("m", 8, ram_bytes=0, storage_path=tmp_path, disk_bytes=5 * ENTRY_BYTES + 900)
+    listed = []
+    monkeypatch.setattr(pathlib.Path, "glob", lambda *a, **k: listed.append(a) or iter(()))
+    monkeypatch.setattr(os, "scandir", lambda *a, **k: listed.append(a) or iter(()))
+    for i in range(12):
+        store.put(f"k{i}", entry(i))
+    store.flush()
+    assert listed == []
+    assert store.stats.disk_entries == 5 and store.stats.evictions == 7
+    assert "k11" in store and "k0" not in store
+    assert len(list(os.listdir(store._disk))) == 5
+
+
+def test_a_full_write_queue_drops_disk_copies_instead_of_waiting(tmp_path, monkeypatch):
+    from mbd_jax.cache import prefix_store
+
+    monkeypatch.setattr(prefix_store, "MAX_PENDING_WRITES", 2)
+    store = PrefixStore("m", 8, ram_bytes=1 << 24, storage_path=tmp_path, disk_bytes=1 << 24)
+    gate = threading.Event()
+    real_write = store._write_disk
+    monkeypatch.setattr(store, "_write_disk", lambda k, e: (gate.wait(), real_write(k, e)))
+    for i in range(6):
+        store.put(f"k{i}", entry(i))  # returns at once: the writer is stuck on the first
+    assert store.stats.disk_dropped >= 3
+    assert all(store.get(f"k{i}") is not None for i in range(6))  # RAM has every block
+    gate.set()
+    store.flush()
+    assert store.stats.disk_entries == 6 - store.stats.disk_dropped
 
 
 def test_unwritable_disk_warns_and_ram_keeps_serving(tmp_path, caplog):
@@ -180,9 +254,8 @@ def test_cache_hit_is_exact_and_survives_a_restart(tmp_path):
 def test_offload_overlaps_the_decode_loop():
     """With persistence on, each staged buffer is handed to the drain thread only after the next
     decode call was issued, so its host copy overlaps that call, and everything staged is drained.
-    Whether the engine thread ever waits depends on thread scheduling (a 2-step decode call of
-    the tiny model is shorter than a drain when CI's two cores are busy), so the test bounds
-    waits to a small share; tools/bench_cache.py counts them on real sizes (0, performance.md)."""
+    The engine thread never waits: a call that finds both buffers still draining stages nothing
+    and leaves its blocks for a later call (deferred_calls)."""
     store = PrefixStore("tiny", 8, ram_bytes=1 << 24)
     engine = make_engine(store, batch=4)
     rng = np.random.default_rng(3)
@@ -196,7 +269,7 @@ def test_offload_overlaps_the_decode_loop():
     drained = [(c, t) for what, c, t in off.events if what == "drain"]
     staged_calls = [c for what, c, _ in off.events if what == "staged"]
     assert len(drained) == len(staged_calls) > 5, off.events
-    assert off.stats.blocking_waits <= len(staged_calls) // 4, (off.stats, off.events)
+    assert off.stats.blocking_waits == 0, (off.stats, off.events)  # deferred, never waited
     for c, t in drained[:-1]:  # the last one is drained by flush()
         assert c in decode_t and t > decode_t[c], ("drained before the next decode call", off.events)
     assert len(store._ram) == off.stats.drained_blocks, (len(store._ram), off.stats)

@@ -24,66 +24,7 @@ from mbd_jax.checkpoint import load_model
 from mbd_jax.config import DecodeConfig
 from mbd_jax.engine import Engine
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-KEY = "test-key-0123456789"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, tmp: pathlib.Path, keys: list[str], sections: dict | None = None,
-                 args: tuple[str, ...] = (), env: dict | None = None, **server_overrides):
-        self.port, self.admin_port = free_port(), free_port()
-        cfg = {
-            "model": "tiny-random",
-            "generation": {"max_new_tokens": 24, "max_new_tokens_limit": 1024},
-            "decoding": {"buffer_size": 2},
-            "server": {"max_batch_size": 8, "buffer_size": 2, "prefill_chunk": 64,
-                       "steps_per_call": 8, "queue_size": 128, "max_body_bytes": 65536,
-                       "max_segments": 8, **server_overrides},
-            "monitoring": {"log_level": "warning"},
-            **(sections or {}),
-        }
-        (tmp / "serve.yaml").write_text(yaml.safe_dump(cfg))
-        (tmp / "keys.txt").write_text("\n".join(keys) + "\n")
-        self.log = open(tmp / "server.log", "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mbd_jax", "serve", "--config", str(tmp / "serve.yaml"),
-             "--port", str(self.port), "--admin-port", str(self.admin_port),
-             "--api-key-file", str(tmp / "keys.txt"), *args],
-            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-            env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})})
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.admin = f"http://127.0.0.1:{self.admin_port}"
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, (tmp / "server.log").read_text()
-            try:
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError("server not ready")
-
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.admin + "/metrics", timeout=10).text
-        out = {}
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                key = s.name + (json.dumps(s.labels, sort_keys=True) if s.labels else "")
-                out[key] = s.value
-        return out
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-        self.log.close()
+from tests.live_server import KEY, ROOT, Server
 
 
 @pytest.fixture(scope="module")
@@ -353,7 +294,7 @@ def test_rate_limit_queue_full_and_sigterm_drain(tmp_path):
 
 def test_deadlines_give_504(tmp_path):
     """One row: a long request exceeds generation_timeout_ms (504) while a second one, stuck in the
-    queue behind it, exceeds queue_timeout_ms (504); the server keeps serving afterwards."""
+    queue behind it, exceeds queue_timeout_ms (503); the server keeps serving afterwards."""
     srv = Server(tmp_path, [KEY], max_batch_size=1, queue_timeout_ms=60, generation_timeout_ms=200)
     try:
         slow = {"prompt": "hi", "max_tokens": 1000,
@@ -369,7 +310,9 @@ def test_deadlines_give_504(tmp_path):
 
         first, second = asyncio.run(main())
         assert first.status_code == 504 and "time budget" in first.json()["error"]["message"]
-        assert second.status_code == 504 and "queue_timeout_ms" in second.json()["error"]["message"]
+        # waiting too long for a row is overload: 503 with Retry-After, not a gateway timeout
+        assert second.status_code == 503 and "queue_timeout_ms" in second.json()["error"]["message"]
+        assert int(second.headers["retry-after"]) >= 1
         ok = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4},
                         headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
         assert ok.status_code == 200

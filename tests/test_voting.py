@@ -1,5 +1,7 @@
 """Temporal self-consistency voting: the vote, the extractors, and the recorded trajectories."""
 
+import time
+
 import jax
 import numpy as np
 import pytest
@@ -72,3 +74,13 @@ def test_voting_needs_a_recording_engine(cfg, params):
     eng = Engine(cfg, params, batch_size=1)
     with pytest.raises(UserError, match="voting needs an engine that records"):
         eng.generate([[11, 12]], DecodeConfig(voting=VotingConfig()))
+
+
+def test_a_backtracking_pattern_runs_in_linear_time():
+    """(a+)+$ against a long run of a's and one b takes exponential time in a backtracking
+    engine (Python's re froze the service for minutes); RE2 answers at once."""
+    cfg = VotingConfig(extractor="regex", pattern=r"(a+)+$")
+    t0 = time.perf_counter()
+    assert voting.extract("a" * 100_000 + "b", cfg) is None
+    assert voting.extract("x aaa", cfg) == "aaa"
+    assert time.perf_counter() - t0 < 5.0  # generous: a backtracking engine needs years

@@ -3,9 +3,11 @@ streaming completions for a fixed time. Prints JSON (stdout) and a table (stderr
 
     python tools/load_test.py [--url http://127.0.0.1:8000] [--concurrency 1,8,32,128]
                               [--seconds 20] [--api-key K] [--plot docs/load.png]
+                              [--config configs/serve.yaml] [--set cache.storage_path=null ...]
 
-Without --url it starts `mbd-jax serve --config configs/serve.yaml` on free ports and stops it after.
-Request mix (fixed, seeded): prompts of 1-9 list items, max_tokens uniform in 16..64.
+Without --url it starts `mbd-jax serve --config CONFIG` (with the --set overrides, YAML values)
+on free ports and stops it after. Request mix (fixed, seeded): prompts of 1-9 list items,
+max_tokens uniform in 16..64. Every level counts non-200 answers and in-band error events.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
+import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -46,19 +50,21 @@ async def _client(c: httpx.AsyncClient, rng: random.Random, until: float, out: l
         body = {"prompt": f"Sort: {items}", "max_tokens": rng.randint(16, 64), "stream": True,
                 "stream_options": {"include_usage": True}}
         t0 = time.monotonic()
-        first, tokens, status = None, 0, 0
+        first, tokens, status, error = None, 0, 0, None
         async with c.stream("POST", "/v1/completions", json=body) as r:
             status = r.status_code
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 obj = json.loads(line[6:])
+                if "error" in obj:
+                    error = obj["error"]
                 if obj.get("choices") and obj["choices"][0].get("text") and first is None:
                     first = time.monotonic() - t0
                 if obj.get("usage"):
                     tokens = obj["usage"]["completion_tokens"]
         out.append({"status": status, "latency": time.monotonic() - t0, "first_block": first,
-                    "tokens": tokens})
+                    "tokens": tokens, "in_band_error": error})
 
 
 async def run_level(url: str, key: str | None, concurrency: int, seconds: float) -> dict:
@@ -70,15 +76,49 @@ async def run_level(url: str, key: str | None, concurrency: int, seconds: float)
         until = t0 + seconds
         await asyncio.gather(*(_client(c, random.Random(i), until, results) for i in range(concurrency)))
         elapsed = time.monotonic() - t0
-    ok = [r for r in results if r["status"] == 200]
+    ok = [r for r in results if r["status"] == 200 and r["in_band_error"] is None]
     lat = sorted(r["latency"] for r in ok)
     fb = sorted(r["first_block"] for r in ok if r["first_block"] is not None)
     q = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))] if xs else float("nan")  # noqa: E731
+    statuses: dict[str, int] = {}
+    for r in results:
+        statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
     return {"concurrency": concurrency, "requests": len(results), "ok": len(ok),
+            "statuses": statuses,
+            "in_band_errors": sum(r["in_band_error"] is not None for r in results),
             "requests_per_s": len(ok) / elapsed, "tokens_per_s": sum(r["tokens"] for r in ok) / elapsed,
             "p50_latency_s": q(lat, 0.5), "p99_latency_s": q(lat, 0.99),
             "p50_first_block_s": q(fb, 0.5), "p99_first_block_s": q(fb, 0.99),
             "median_latency_s": statistics.median(lat) if lat else float("nan")}
+
+
+def start_server(config: pathlib.Path, overrides: list[str], keys: str = "") -> tuple:
+    """`mbd-jax serve` on free ports with `overrides` (section.field=YAML value) applied to
+    `config`; returns (process, url, admin url) once /ready is 200."""
+    cfg = yaml.safe_load(config.read_text()) or {}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        section, _, field = key.partition(".")
+        cfg.setdefault(section, {})[field] = yaml.safe_load(value)
+    path = pathlib.Path(tempfile.mkdtemp(prefix="mbd-load-")) / "serve.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    port, admin_port = _free_port(), _free_port()
+    url, admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
+    proc = subprocess.Popen([sys.executable, "-m", "mbd_jax", "serve", "--config", str(path),
+                             "--port", str(port), "--admin-port", str(admin_port)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=dict(os.environ, MBD_API_KEYS=keys))
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                return proc, url, admin
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise SystemExit("the server did not become ready")
+        time.sleep(0.5)
 
 
 def main() -> int:
@@ -89,45 +129,35 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,8,32,128")
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--plot")
+    ap.add_argument("--config", default=str(ROOT / "configs/serve.yaml"))
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                    help="override a serve config field of the started server (repeatable)")
     args = ap.parse_args()
     proc = None
     url, admin = args.url, args.admin_url
     if url is None:
-        port, admin_port = _free_port(), _free_port()
-        url, admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
-        proc = subprocess.Popen([sys.executable, "-m", "mbd_jax", "serve", "--config",
-                                 str(ROOT / "configs/serve.yaml"), "--port", str(port),
-                                 "--admin-port", str(admin_port)], cwd=ROOT,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                env=dict(os.environ, MBD_API_KEYS=""))
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise SystemExit("the server did not become ready")
-            time.sleep(0.5)
+        proc, url, admin = start_server(pathlib.Path(args.config), args.set)
     try:
         compiles_warm = _metric(admin, "mbd_compilations") if admin else float("nan")
         levels = [asyncio.run(run_level(url, args.api_key, int(c), args.seconds))
                   for c in args.concurrency.split(",")]
         compiles_after = (_metric(admin, "mbd_compilations") - compiles_warm) if admin else float("nan")
+        offload = {name: _metric(admin, name) if admin else float("nan") for name in (
+            "mbd_kv_offload_blocking_waits", "mbd_kv_offload_deferred_calls",
+            "mbd_prefix_cache_disk_dropped")}
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=60)
-    report = {"url": url, "seconds": args.seconds, "levels": levels,
-              "compilations_after_warmup": compiles_after}
-    cols = ["concurrency", "ok", "requests_per_s", "tokens_per_s", "p50_latency_s", "p99_latency_s",
+    report = {"url": url, "seconds": args.seconds, "config": args.config, "set": args.set,
+              "levels": levels, "compilations_after_warmup": compiles_after, **offload}
+    cols = ["concurrency", "ok", "in_band_errors", "requests_per_s", "tokens_per_s", "p50_latency_s", "p99_latency_s",
             "p50_first_block_s", "p99_first_block_s"]
     print(" ".join(f"{c:>18}" for c in cols), file=sys.stderr)
     for lv in levels:
         print(" ".join(f"{lv[c]:>18.4g}" if isinstance(lv[c], float) else f"{lv[c]:>18}" for c in cols),
               file=sys.stderr)
-    print(f"compilations after warm-up: {compiles_after:g}", file=sys.stderr)
+    print(f"compilations after warm-up: {compiles_after:g}; offload: {offload}", file=sys.stderr)
     print(json.dumps(report))
     if args.plot:
         import matplotlib

@@ -10,9 +10,10 @@ After every decode call the engine thread calls `after_decode`:
      overlapped with the decode call that ran in between, so the drain thread (np.asarray, then
      the store's RAM and disk tiers) finds it ready.
 
-The engine thread never waits on a host copy unless the drain thread is still busy with a buffer
-it needs again two calls later; `blocking_waits` counts such waits (the persistence-on decode
-loop should show none). Transfers are issued only from the engine thread.
+The engine thread never waits: when the drain thread is still busy with the buffer the engine
+would fill next, the call stages nothing (`deferred_calls`) and its blocks wait for a later call;
+the store's own disk writes run on its writer thread. `blocking_waits` stays 0 (kept as a
+metric, so a regression shows). Transfers are issued only from the engine thread.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class _Staged:
 class OffloadStats:
     staged_blocks: int = 0
     drained_blocks: int = 0
-    blocking_waits: int = 0  # the engine thread waited for the drain thread
+    blocking_waits: int = 0  # the engine thread waited for the drain thread (never, by design)
+    deferred_calls: int = 0  # calls that staged nothing: both buffers were still being drained
     drains_not_ready: int = 0  # the drain thread found a copy still in flight
     queue_depth: int = 0  # staged buffers not yet drained
 
@@ -96,6 +98,13 @@ class KVOffloader:
         """Engine thread, right after a decode call: stage the blocks each row committed since
         (free rows have none), then hand the previous staging buffer to the drain thread."""
         self._calls += 1
+        prev = self._last  # staged after the previous call: its copy overlapped this call
+        if prev is not None and not prev.handed:
+            self._hand_over(prev)
+        old = self._staged[self._next]
+        if old is not None and not old.drained.is_set():  # the drain thread still reads it
+            self.stats.deferred_calls += 1  # this call's blocks wait for a later call
+            return
         rows, starts, keys = [], [], []
         for row in range(len(cached_len)):
             done_blocks = int(cached_len[row]) // self.block_size
@@ -114,20 +123,11 @@ class KVOffloader:
             self.offloaded[row] = take
             if len(rows) == self.max_blocks:
                 break
-        prev = self._last  # staged after the previous call: its copy overlapped this call
         if rows:
             self._stage(rows, starts, keys, kv)
-        if prev is not None and not prev.handed:
-            self._hand_over(prev)
 
     def _stage(self, rows: list[int], starts: list[int], keys: list[str], kv: Any) -> None:
         s = self._next
-        old = self._staged[s]
-        if old is not None and not old.drained.is_set():  # the drain thread still reads it
-            if not old.handed:
-                self._hand_over(old)
-            self.stats.blocking_waits += 1
-            old.drained.wait()
         pad = self.max_blocks - len(rows)
         buf = self._gather(self._buffers[s], kv, np.array(rows + [0] * pad, np.int32),
                            np.array(starts + [0] * pad, np.int32))
@@ -146,12 +146,14 @@ class KVOffloader:
             self._work.notify()
 
     def flush(self) -> None:
-        """Hands over and drains everything staged (tests, shutdown)."""
+        """Hands over and drains everything staged, and waits for the store's disk writes
+        (tests, shutdown)."""
         for staged in self._staged:
             if staged is not None and not staged.drained.is_set():
                 if not staged.handed:
                     self._hand_over(staged)
                 staged.drained.wait()
+        self.store.flush()
 
     def close(self) -> None:
         self.flush()
@@ -159,6 +161,7 @@ class KVOffloader:
             self._closed = True
             self._work.notify()
         self._thread.join(timeout=10)
+        self.store.close()
 
     def _drain_loop(self) -> None:
         while True:

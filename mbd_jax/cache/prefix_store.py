@@ -7,10 +7,17 @@ their first (i+1)*blk tokens are equal, which is exactly when the exact KV is eq
 one block's K and V for every layer, `[num_layers, 2, blk, K, Dh]`.
 
 Two tiers. RAM: a byte-capped LRU. Disk (`storage_path`): one file per key written atomically
-(temp file + rename) with a header carrying a sha256 of the payload, a byte cap (oldest files go
-first) and a TTL; it survives restarts. A truncated or bit-flipped file is detected on read,
-deleted and counted, never used; an unwritable or full disk logs one warning and the store keeps
-serving from RAM. Thread-safe (the engine thread reads, the offload thread writes).
+(temp file + rename), a byte cap (oldest files go first) and a TTL; it survives restarts. The
+file's sha256 covers its key, every header field and the payload, so a truncated or bit-flipped
+file, or a valid file copied over another key's, is detected on read, deleted and counted, never
+used; an entry whose shape or dtype is not the engine's is treated the same way. An unwritable or
+full disk logs one warning and the store keeps serving from RAM.
+
+The disk tier never scans its directory after startup: an in-memory index (key -> size, mtime,
+oldest first) answers membership, capacity and TTL. Writes go through a bounded queue to a writer
+thread, so `put` (the offload drain) costs a RAM insert; when the queue is full the disk copy of
+a block is dropped (counted), never waited for. Thread-safe (the engine thread reads, the offload
+thread puts, the writer thread writes).
 """
 
 from __future__ import annotations
@@ -33,8 +40,18 @@ import numpy as np
 
 log = logging.getLogger("mbd_jax.cache")
 
-_MAGIC = b"MBDKV001"
-_HEADER = struct.Struct("<8s32sQ16s6Q")  # magic, sha256(payload), payload bytes, dtype, shape
+_MAGIC = b"MBDKV002"
+_HEADER = struct.Struct("<8s32sQ16s6Q")  # magic, digest, payload bytes, dtype, shape
+_FIELDS = struct.Struct("<Q16s6Q")  # the header after the digest (what the digest covers)
+MAX_PENDING_WRITES = 1024  # disk writes queued beyond this are dropped
+
+
+def _digest(key: str, fields: bytes, payload: bytes) -> bytes:
+    """What a file's header stores: sha256 over its key, header fields and payload."""
+    h = hashlib.sha256(key.encode())
+    h.update(fields)
+    h.update(payload)
+    return h.digest()
 
 
 def _dtype(name: str) -> np.dtype:
@@ -76,8 +93,10 @@ class StoreStats:
     ram_bytes: int = 0
     disk_bytes: int = 0
     evictions: int = 0  # RAM LRU evictions + disk capacity / TTL removals
-    corrupt: int = 0  # disk entries that failed their checksum or were truncated
+    corrupt: int = 0  # disk entries that failed their checksum, were truncated or misshapen
     disk_errors: int = 0  # failed disk writes (unwritable, full)
+    disk_dropped: int = 0  # blocks not written to disk because the write queue was full
+    disk_entries: int = 0
 
 
 class PrefixStore:
@@ -93,17 +112,51 @@ class PrefixStore:
         self.stats = StoreStats()
         self._ram: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self.entry_spec: tuple[tuple[int, ...], np.dtype] | None = None  # (shape, dtype) or any
         self._disk: pathlib.Path | None = None
         self._disk_warned = False
+        # disk index: key -> (bytes, mtime), oldest first; guarded by _lock
+        self._index: collections.OrderedDict[str, tuple[int, float]] = collections.OrderedDict()
+        self._pending: collections.deque[tuple[str, np.ndarray]] = collections.deque()
+        self._pending_keys: set[str] = set()
+        self._writes = threading.Condition(self._lock)
+        self._writing = False
+        self._closed = False
         if storage_path is not None and disk_bytes > 0:
             self._disk = pathlib.Path(storage_path) / hashlib.sha256(
                 model_id.encode()).hexdigest()[:16]
             try:
                 self._disk.mkdir(parents=True, exist_ok=True)
-                self.stats.disk_bytes = sum(p.stat().st_size for p in self._disk.glob("*.kv"))
+                self._scan()
             except OSError as e:
                 self._disk_failed(e)
                 self._disk = None  # no usable directory: RAM only
+        if self._disk is not None:
+            threading.Thread(target=self._write_loop, name="kv-disk", daemon=True).start()
+
+    def _scan(self) -> None:
+        """Startup only: index the files already on disk (oldest first); remove temp files."""
+        found = []
+        with os.scandir(self._disk) as it:
+            for e in it:
+                if e.name.endswith(".kv"):
+                    st = e.stat()
+                    found.append((st.st_mtime, e.name[:-3], st.st_size))
+                elif ".tmp" in e.name:  # a write cut short by a crash
+                    with contextlib.suppress(OSError):
+                        os.unlink(e.path)
+        for mtime, key, size in sorted(found):
+            self._index[key] = (size, mtime)
+        self.stats.disk_bytes = sum(size for size, _ in self._index.values())
+        self.stats.disk_entries = len(self._index)
+
+    def expect(self, shape: Sequence[int], dtype: Any) -> None:
+        """Entries must have this shape and dtype (the engine's block layout): others read from
+        disk are corrupt, and puts of others are refused."""
+        self.entry_spec = (tuple(int(d) for d in shape), np.dtype(dtype))
+
+    def _fits(self, entry: np.ndarray) -> bool:
+        return self.entry_spec is None or (entry.shape, entry.dtype) == self.entry_spec
 
     # ------------------------------------------------------------------ lookups
     def keys(self, tokens: Sequence[int], known: Sequence[str] = ()) -> list[str]:
@@ -138,18 +191,62 @@ class PrefixStore:
 
     def __contains__(self, key: str) -> bool:
         with self._lock:
-            if key in self._ram:
-                return True
-        return self._disk is not None and (self._disk / f"{key}.kv").is_file()
+            return key in self._ram or key in self._pending_keys or (
+                key in self._index and not self._expired(self._index[key][1]))
 
     # ------------------------------------------------------------------ writes
     def put(self, key: str, entry: np.ndarray) -> None:
-        """Stores one block's KV in both tiers (a key already present is left alone)."""
+        """Stores one block's KV in RAM and queues its disk write (a key already present is left
+        alone; with a full write queue the disk copy is dropped)."""
+        if not self._fits(entry):
+            raise ValueError(f"prefix store entry {entry.shape} {entry.dtype} is not the "
+                             f"expected {self.entry_spec}")
         with self._lock:
             in_ram = key in self._ram
         if not in_ram:
             self._put_ram(key, entry)
-        self._write_disk(key, entry)
+        if self._disk is None:
+            return
+        with self._writes:
+            if key in self._pending_keys or (key in self._index
+                                              and not self._expired(self._index[key][1])):
+                return
+            if len(self._pending) >= MAX_PENDING_WRITES:
+                self.stats.disk_dropped += 1
+                return
+            self._pending.append((key, entry))
+            self._pending_keys.add(key)
+            self._writes.notify_all()
+
+    def flush(self) -> None:
+        """Waits until every queued disk write is done (tests, shutdown)."""
+        with self._writes:
+            while (self._pending or self._writing) and self._disk is not None:
+                self._writes.wait(timeout=1.0)
+
+    def close(self) -> None:
+        self.flush()
+        with self._writes:
+            self._closed = True
+            self._writes.notify_all()
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._writes:
+                while not self._pending and not self._closed:
+                    self._writes.wait()
+                if not self._pending:
+                    return
+                key, entry = self._pending[0]
+                self._writing = True
+            try:
+                self._write_disk(key, entry)
+            finally:
+                with self._writes:
+                    self._pending.popleft()
+                    self._pending_keys.discard(key)
+                    self._writing = False
+                    self._writes.notify_all()
 
     def _put_ram(self, key: str, entry: np.ndarray) -> None:
         if entry.nbytes > self.ram_capacity:
@@ -177,18 +274,18 @@ class PrefixStore:
             self._disk_warned = True
 
     def _write_disk(self, key: str, entry: np.ndarray) -> None:
+        """Writer thread: one file, atomically; older files go first when the cap is reached."""
         if self._disk is None:
-            return
-        path = self._path(key)
-        if path.is_file() and not self._expired(path):
             return
         payload = np.ascontiguousarray(entry).tobytes()
         shape = tuple(entry.shape) + (0,) * (6 - entry.ndim)
-        header = _HEADER.pack(_MAGIC, hashlib.sha256(payload).digest(), len(payload),
+        fields = _FIELDS.pack(len(payload), entry.dtype.name.encode().ljust(16), *shape)
+        header = _HEADER.pack(_MAGIC, _digest(key, fields, payload), len(payload),
                               entry.dtype.name.encode().ljust(16), *shape)
         size = len(header) + len(payload)
         if size > self.disk_capacity:
             return
+        path = self._path(key)
         tmp = path.with_suffix(f".tmp{threading.get_ident()}")
         try:
             self._make_room(size)
@@ -197,70 +294,82 @@ class PrefixStore:
                 fh.write(payload)
             os.replace(tmp, path)  # atomic: readers see the old file or the whole new one
             with self._lock:
-                self.stats.disk_bytes += size
+                old = self._index.pop(key, None)
+                self._index[key] = (size, self.clock())
+                self.stats.disk_bytes += size - (old[0] if old else 0)
+                self.stats.disk_entries = len(self._index)
         except OSError as e:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
             self._disk_failed(e)
 
     def _make_room(self, size: int) -> None:
-        """Removes expired files, then the oldest, until `size` more bytes fit."""
-        files = sorted(self._disk.glob("*.kv"), key=lambda p: p.stat().st_mtime)
-        total = sum(p.stat().st_size for p in files)
-        for p in files:
-            if total + size <= self.disk_capacity and not self._expired(p):
-                continue
-            total -= p.stat().st_size
-            p.unlink(missing_ok=True)
-            self.stats.evictions += 1
-        with self._lock:
-            self.stats.disk_bytes = total
+        """Removes expired entries, then the oldest, until `size` more bytes fit (from the index:
+        no directory scan)."""
+        while True:
+            with self._lock:
+                if not self._index:
+                    return
+                key, (old_size, mtime) = next(iter(self._index.items()))
+                if self.stats.disk_bytes + size <= self.disk_capacity and not self._expired(mtime):
+                    return
+                del self._index[key]
+                self.stats.disk_bytes -= old_size
+                self.stats.disk_entries = len(self._index)
+                self.stats.evictions += 1
+            with contextlib.suppress(OSError):
+                self._path(key).unlink()
 
-    def _expired(self, path: pathlib.Path) -> bool:
-        return self.ttl_s > 0 and self.clock() - path.stat().st_mtime > self.ttl_s
+    def _expired(self, mtime: float) -> bool:
+        return self.ttl_s > 0 and self.clock() - mtime > self.ttl_s
 
     def _read_disk(self, key: str) -> np.ndarray | None:
         if self._disk is None:
             return None
-        path = self._path(key)
-        try:
-            if not path.is_file():
-                return None
-            if self._expired(path):
-                self._drop(path, corrupt=False)
-                return None
-            data = path.read_bytes()
-        except OSError:
+        with self._lock:
+            known = self._index.get(key)
+        if known is None:
             return None
-        entry = self._decode(data)
-        if entry is None:
-            log.warning("prefix cache: entry %s is corrupt or truncated; ignored and removed", key)
-            self._drop(path, corrupt=True)
+        if self._expired(known[1]):
+            self._drop(key, corrupt=False)
+            return None
+        try:
+            data = self._path(key).read_bytes()
+        except OSError:  # removed behind our back
+            self._drop(key, corrupt=False, count=False)
+            return None
+        entry = self._decode(key, data)
+        if entry is None or not self._fits(entry):
+            log.warning("prefix cache: entry %s is corrupt, truncated or not this model's layout; "
+                        "ignored and removed", key)
+            self._drop(key, corrupt=True)
+            return None
         return entry
 
     @staticmethod
-    def _decode(data: bytes) -> np.ndarray | None:
+    def _decode(key: str, data: bytes) -> np.ndarray | None:
         if len(data) < _HEADER.size:
             return None
         magic, digest, n, dtype, *shape = _HEADER.unpack_from(data)
+        fields = data[len(_MAGIC) + 32:_HEADER.size]
         payload = data[_HEADER.size:]
-        if magic != _MAGIC or len(payload) != n or hashlib.sha256(payload).digest() != digest:
+        if magic != _MAGIC or len(payload) != n or _digest(key, fields, payload) != digest:
             return None
         shape = tuple(s for s in shape if s > 0)
         try:
             return np.frombuffer(payload, _dtype(dtype.rstrip().decode())).reshape(shape).copy()
-        except (AttributeError, TypeError, ValueError):
+        except (AttributeError, TypeError, ValueError, UnicodeDecodeError):
             return None
 
-    def _drop(self, path: pathlib.Path, corrupt: bool) -> None:
-        try:
-            size = path.stat().st_size
-            path.unlink()
-        except OSError:
-            return
+    def _drop(self, key: str, corrupt: bool, count: bool = True) -> None:
         with self._lock:
-            self.stats.disk_bytes -= size
-            if corrupt:
+            known = self._index.pop(key, None)
+            if known is not None:
+                self.stats.disk_bytes -= known[0]
+                self.stats.disk_entries = len(self._index)
+            if count and corrupt:
                 self.stats.corrupt += 1
-            else:
+            elif count:
                 self.stats.evictions += 1
+        with contextlib.suppress(OSError):
+            self._path(key).unlink()

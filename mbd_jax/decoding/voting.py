@@ -11,6 +11,7 @@ import math
 import re
 from collections import defaultdict
 
+from mbd_jax import user_regex
 from mbd_jax.config import VotingConfig
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -36,12 +37,7 @@ def extract(text: str, cfg: VotingConfig) -> str | None:
         return found[-1] if found else None
     if cfg.extractor == "boxed":
         return _boxed(text)
-    match = None
-    for match in re.finditer(cfg.pattern, text):
-        pass
-    if match is None:
-        return None
-    return (match.group(1) if match.groups() else match.group(0)).strip()
+    return user_regex.last_answer(cfg.pattern, text)  # RE2: linear time, whatever the pattern
 
 
 def step_weight(t: int, total: int, cfg: VotingConfig) -> float:

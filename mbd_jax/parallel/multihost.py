@@ -173,6 +173,9 @@ class EngineLeader:
     def cancel(self, state, rows):
         return self._call(("cancel", list(rows)), self.engine.cancel, state, rows)
 
+    def reset_buffers(self) -> None:
+        self._call(("reset_buffers",), self.engine.reset_buffers)
+
     def close(self) -> None:
         """Tells the followers to exit."""
         with self._lock:
@@ -204,5 +207,9 @@ def follow(engine) -> None:
                 state = engine.decode_call(state, *args)
             elif name == "cancel":
                 state = engine.cancel(state, *args)
+            elif name == "reset_buffers":
+                engine.reset_buffers()
         except UserError as e:  # the leader hit the same error and answered its client
             log.info("follower: %s: %s", name, e)
+        except Exception:  # the leader failed the same step and recovers; so does this process
+            log.exception("follower: %s failed", name)

@@ -1,0 +1,138 @@
+"""A failure inside the engine thread fails only the requests it touched, the engine recovers
+(allocating fresh device buffers when the failed call took them), and only repeated failures
+stop it for good, which the server is told about. Real engine, real scheduler thread; the
+failures are real ones: a decode config that skipped validation overflows int32 on its way to
+the device, and a KV buffer whose memory is gone (what a call that fails after taking its
+donated buffers leaves behind)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import jax
+import pytest
+
+from mbd_jax.config import DecodeConfig, ServeConfig, ServerConfig
+from mbd_jax.engine import Engine
+from serving.metrics import Metrics
+from serving.scheduler import EngineDown, Request, Scheduler
+from tests.conftest import tiny_cfg, tiny_params
+
+GOOD = DecodeConfig(buffer_size=2, max_new_tokens=24)
+LONG = DecodeConfig(buffer_size=1, max_new_tokens=400, policy="fixed_steps", steps_per_block=8)
+PROMPT = [11, 12, 13, 14, 15]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = Engine(tiny_cfg(), tiny_params(), batch_size=2, buffer_size=2, prefill_chunk=32)
+    e.reference = e.generate([PROMPT], GOOD)[0].token_ids
+    return e
+
+
+def scheduler(engine, max_engine_failures=3) -> Scheduler:
+    cfg = ServeConfig(model="tiny-random", decoding=DecodeConfig(buffer_size=2),
+                      server=dataclasses.replace(ServerConfig(), max_batch_size=2, buffer_size=2,
+                                                 steps_per_call=4,
+                                                 max_engine_failures=max_engine_failures))
+    engine.reset_buffers()
+    s = Scheduler(engine, cfg, Metrics())
+    s.start()
+    return s
+
+
+async def run(s: Scheduler, decode: DecodeConfig, prompt=PROMPT) -> Request:
+    r = Request(id="t", prompt=list(prompt), decode=decode, loop=asyncio.get_running_loop())
+    s.submit([r])
+    return r
+
+
+async def outcome(r: Request, timeout=120.0):
+    """("done", token ids) or ("error", status)."""
+    while True:
+        event = await asyncio.wait_for(r.events.get(), timeout)
+        if event[0] == "done":
+            return "done", event[1].token_ids
+        if event[0] == "error":
+            return "error", event[1]
+
+
+async def until_ready(s: Scheduler):
+    while not s.ready:
+        await asyncio.sleep(0.05)
+
+
+def test_a_request_that_breaks_admission_fails_alone(engine):
+    """An unvalidated max_nfe of 2^40 raises on its way to the device (int32); the request gets
+    a 500, a request already decoding finishes untouched, and the next one is served."""
+    s = scheduler(engine)
+
+    async def main():
+        await until_ready(s)
+        running = await run(s, LONG)
+        first = await asyncio.wait_for(running.events.get(), 60)  # it is decoding
+        assert first[0] == "tokens"
+        bad = await run(s, DecodeConfig(buffer_size=2, max_nfe=2**40))  # skipped validation
+        bad_outcome = await outcome(bad)
+        running_outcome = await outcome(running)
+        after = await outcome(await run(s, GOOD))
+        return bad_outcome, running_outcome, after
+
+    try:
+        bad, running, after = asyncio.run(main())
+        assert bad == ("error", 500)
+        assert running[0] == "done" and len(running[1]) == 400
+        assert after == ("done", engine.reference)
+        assert s.error is None and s.metrics.engine_failures._value.get() == 1
+    finally:
+        s.stop()
+
+
+def test_lost_device_buffers_are_reallocated_and_serving_goes_on(engine):
+    s = scheduler(engine)
+
+    async def main():
+        await until_ready(s)
+        running = await run(s, LONG)
+        assert (await asyncio.wait_for(running.events.get(), 60))[0] == "tokens"
+        for leaf in jax.tree.leaves(engine.kv):  # the KV buffer's memory is gone
+            leaf.delete()
+        failed = await outcome(running)
+        after = await outcome(await run(s, GOOD))
+        return failed, after
+
+    try:
+        failed, after = asyncio.run(main())
+        assert failed == ("error", 500)
+        assert after == ("done", engine.reference)  # exact output on the fresh buffers
+        assert s.error is None and s.metrics.engine_failures._value.get() >= 1
+    finally:
+        s.stop()
+
+
+def test_repeated_failures_stop_the_engine_and_tell_the_server(engine):
+    s = scheduler(engine, max_engine_failures=1)
+    told = []
+    s.on_fatal = lambda: told.append(True)
+
+    async def main():
+        await until_ready(s)
+        running = await run(s, LONG)
+        assert (await asyncio.wait_for(running.events.get(), 60))[0] == "tokens"
+        for leaf in jax.tree.leaves(engine.kv):
+            leaf.delete()
+        return await outcome(running)
+
+    try:
+        assert asyncio.run(main()) == ("error", 503)
+        s._thread.join(timeout=30)  # the engine thread ends after telling the server
+        assert s.error is not None and told == [True]
+
+        async def refused():
+            with pytest.raises(EngineDown):
+                await run(s, GOOD)
+
+        asyncio.run(refused())
+    finally:
+        s.stop()
