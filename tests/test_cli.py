@@ -43,7 +43,7 @@ def test_generate_json_and_profile(tmp_path):
     (["bench", "decode", "--buffer-size", "1,two"], "integers like 1,2,4"),
     (["eval", "--task", "poetry"], "unknown task(s) poetry; allowed: arith, sort, reverse, recall"),
     (["eval", "--limit", "0"], "--limit must be >= 1"),
-    (["eval", "--buffer-size", "0"], "'buffer_size' must be >= 1"),
+    (["eval", "--buffer-size", "0"], "'buffer_size' must be in [1, 1024]"),
     (["train", "--config", "no/such.yaml"], "cannot read config file no/such.yaml"),
 ])
 def test_bad_input_gives_a_clear_error(args, needle):

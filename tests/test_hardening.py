@@ -337,3 +337,20 @@ def test_sigterm_with_nothing_in_flight_keeps_answering_503_for_drain_min_s(tmp_
         assert srv.proc.wait(timeout=60) == 0
     finally:
         srv.stop()
+
+
+def test_repeated_log_lines_are_limited_and_counted():
+    import logging
+
+    from serving.connections import RepeatFilter
+
+    flt = RepeatFilter(burst=5, window_s=60.0)
+    make = lambda: logging.LogRecord("asyncio", logging.ERROR, __file__, 1,  # noqa: E731
+                                     "socket.accept() out of system resource", None, None)
+    passed = [flt.filter(make()) for _ in range(1000)]
+    assert sum(passed) == 5 and passed[:5] == [True] * 5
+    other = logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "another message", None, None)
+    assert flt.filter(other)  # a different line has its own budget
+    flt._seen[("asyncio", logging.ERROR, "socket.accept() out of system resource")][0] -= 61
+    record = make()
+    assert flt.filter(record) and "995 similar messages suppressed" in record.getMessage()

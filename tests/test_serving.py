@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,8 +14,6 @@ import time
 import httpx
 import openai
 import pytest
-import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from mbd_jax import chat
 from mbd_jax.checkpoint import load_model
