@@ -17,7 +17,7 @@ import jax
 import yaml
 from jax.sharding import Mesh
 
-from mbd_jax.config import ModelConfig, from_dict, load_yaml, resolve_model_path
+from mbd_jax.config import ModelConfig, from_dict, load_yaml, resolve_model_path, with_runtime
 from mbd_jax.errors import ConfigError
 from mbd_jax.parallel import mesh as meshlib
 from mbd_jax.tokenizer import Tokenizer, load_tokenizer
@@ -95,14 +95,17 @@ def _restore_params(path: pathlib.Path, cfg: ModelConfig, mesh: Mesh) -> Any:
 
 
 def load_model(model: str, *, with_weights: bool = True, random_weights: bool = False,
-               mesh: Mesh | None = None) -> LoadedModel:
+               mesh: Mesh | None = None, runtime: dict[str, Any] | None = None) -> LoadedModel:
     """A model by preset name, YAML or directory, its parameters sharded over `mesh` (default:
     the first device). `random_weights`: initialise from the seed whatever the config says (benches
-    of shape-only presets); `with_weights=False`: the config and tokenizer only."""
+    of shape-only presets); `with_weights=False`: the config and tokenizer only. `runtime`:
+    overrides of config.RUNTIME_FIELDS (moe_impl, attention_impl, ...), applied after the model
+    directory's files passed their checksums."""
     from mbd_jax.model.transformer import init_params
 
     config_path = resolve_model_path(model)
     cfg = from_dict(ModelConfig, load_yaml(config_path), where=str(config_path))
+    cfg = with_runtime(cfg, runtime, where=f"model {model} runtime settings")
     mesh = mesh if mesh is not None else meshlib.single_device_mesh()
     params = None
     if with_weights:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from mbd_jax.errors import UserError
 from mbd_jax.parallel import multihost
@@ -47,6 +48,27 @@ def _add_decode_flags(p: argparse.ArgumentParser, buffer_size_list: bool = False
     g.add_argument("--top-p", type=float, help="nucleus sampling mass (default 1)")
     g.add_argument("--seed", type=int, help="sampling seed (default 0)")
     g.add_argument("--max-nfe", type=int, help="decode forwards per request at most (default 1024)")
+
+
+def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
+    """Runtime settings of the model (config.RuntimeConfig): override the model's config.yaml
+    without editing it (its checksum covers it)."""
+    import typing
+
+    from mbd_jax.config import AttentionImpl, DType, MoeImpl
+
+    g = p.add_argument_group("runtime settings (default: the model's config)")
+    g.add_argument("--moe-impl", choices=typing.get_args(MoeImpl),
+                   help="expert path; auto = tiled on CPU, ragged_dot elsewhere")
+    g.add_argument("--attention-impl", choices=typing.get_args(AttentionImpl))
+    g.add_argument("--attention-chunk", type=int, help="keys per online-softmax chunk")
+    g.add_argument("--compute-dtype", choices=typing.get_args(DType))
+
+
+def _runtime(args: argparse.Namespace) -> dict:
+    from mbd_jax.config import RUNTIME_FIELDS
+
+    return {f: getattr(args, f, None) for f in RUNTIME_FIELDS}
 
 
 def _decode_config(args: argparse.Namespace):
@@ -89,7 +111,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if any(t == "" for t in prompts_text):
         raise UserError("--prompt: empty prompt; give some text")
     mesh = multihost.mesh_from_args(args)
-    model = load_model(args.model, mesh=mesh)
+    model = load_model(args.model, mesh=mesh, runtime=_runtime(args))
     if prompts_text and model.tokenizer is None:
         raise UserError(f"--model {args.model} has no tokenizer; use --prompt-ids")
     if args.chat:  # each prompt is one user turn in the model's chat template
@@ -106,13 +128,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     record_steps=record[0], record_len=record[1], mesh=mesh)
     for i, p in enumerate(prompts):  # fail before compiling anything
         engine.check_prompt(p, where=f"prompt[{i}]")
+    t0 = time.perf_counter()
+    engine.warmup()  # compile every shape first, so `seconds` is decoding alone
+    compile_seconds = time.perf_counter() - t0
     with maybe_trace(args.profile):
         results = engine.generate(prompts, decode)
     if not multihost.is_leader():  # process 0 prints
         return 0
     for r in results:
-        if args.json:
-            print(json.dumps(r.to_json()))
+        if args.json:  # seconds: prefill + decode of its batch; compile_seconds: the warm-up
+            print(json.dumps({**r.to_json(), "compile_seconds": round(compile_seconds, 3)}))
         else:
             print(r.text if r.text is not None else r.token_ids)
             print(f"[{r.finish_reason}] tokens={len(r.token_ids)} nfe={r.nfe} tpf={r.tpf:.2f} "
@@ -132,12 +157,20 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         sizes = [int(s) for s in str(args.buffer_size_list).split(",")]
     except ValueError:
         raise UserError(f"--buffer-size {args.buffer_size_list!r}: expected integers like 1,2,4") from None
-    mesh = multihost.mesh_from_args(args)
-    model = load_model(args.model, random_weights=args.random_weights, mesh=mesh)
+    if args.max_new_tokens is not None:
+        raise UserError("bench decode generates exactly --new-tokens per row; --max-new-tokens is "
+                        "not used here")
+    import typing
+
+    from mbd_jax.config import MoeImpl
+
     impls = args.moe_impl.split(",") if args.moe_impl else None
     for impl in impls or []:
-        if impl not in ("dense", "ragged", "tiled"):
-            raise UserError(f"--moe-impl {impl!r}: expected dense, ragged or tiled (comma-separated)")
+        if impl not in typing.get_args(MoeImpl):
+            raise UserError(f"--moe-impl {impl!r}: expected a comma-separated list of "
+                            f"{', '.join(typing.get_args(MoeImpl))}")
+    mesh = multihost.mesh_from_args(args)
+    model = load_model(args.model, random_weights=args.random_weights, mesh=mesh)
     report = bench_decode(model.cfg, model.params, batch=args.batch, prompt_len=args.prompt_len,
                           new_tokens=args.new_tokens, buffer_sizes=sizes, decode=decode,
                           repeats=args.repeats, moe_impls=impls, mesh=mesh)
@@ -155,7 +188,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     cfg = load_serve_config(args.config, **{
         "model": args.model, "server.host": args.host, "server.port": args.port,
-        "server.admin_host": args.admin_host, "server.admin_port": args.admin_port})
+        "server.admin_host": args.admin_host, "server.admin_port": args.admin_port,
+        **{f"runtime.{k}": v for k, v in _runtime(args).items()}})
     return serve(cfg, load_api_keys(args.api_key_file), mesh=multihost.mesh_from_args(args))
 
 
@@ -190,7 +224,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     decode = _decode_config(args)
     task_names(args.task, args.limit)  # fail before loading anything
     mesh = multihost.mesh_from_args(args)
-    model = load_model(args.model, mesh=mesh)
+    model = load_model(args.model, mesh=mesh, runtime=_runtime(args))
     report = evaluate(model, args.task, decode, limit=args.limit, batch_size=args.batch_size,
                       progress=not args.no_progress and multihost.is_leader(), mesh=mesh)
     if not multihost.is_leader():
@@ -206,10 +240,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def add_convert_args(c: argparse.ArgumentParser) -> None:
     c.add_argument("--src", required=True, help="Hugging Face checkpoint directory")
     c.add_argument("--dst", required=True, help="output model directory")
-    c.add_argument("--family", default="auto", choices=["auto", "llada2_moe", "sdar", "sdar_moe"])
-    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    c.add_argument("--mask-token-id", type=int, help="default: from config.json or the tokenizer")
-    c.add_argument("--block-size", type=int, default=32, help="the model's diffusion block size")
+    from mbd_jax.convert import FAMILIES
+
+    c.add_argument("--family", default="auto", choices=["auto", *FAMILIES],
+                   help="model family (default: auto, from config.json)")
+    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="parameter dtype (default: bfloat16), also written as the compute dtype "
+                        "(override at load with --compute-dtype)")
+    c.add_argument("--mask-token-id", type=int,
+                   help="the mask token (default: from config.json or the tokenizer)")
+    c.add_argument("--block-size", type=int,
+                   help="the model's diffusion block size (default: config.json's block_size / "
+                        "block_length; required when it states none)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -226,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.add_argument("--profile", metavar="DIR", help="write a JAX profiler trace to DIR")
     _add_decode_flags(g)
+    _add_runtime_flags(g)
     multihost.add_launch_flags(g)
     g.set_defaults(func=cmd_generate)
 
@@ -237,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--admin-host")
     s.add_argument("--admin-port", type=int)
     s.add_argument("--api-key-file", help="one API key per line (also: MBD_API_KEYS=k1,k2)")
+    _add_runtime_flags(s)
     multihost.add_launch_flags(s)
     s.set_defaults(func=cmd_serve)
 
@@ -261,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true", help="one JSON object")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_decode_flags(e)
+    _add_runtime_flags(e)
     multihost.add_launch_flags(e)
     e.set_defaults(func=cmd_eval)
 
@@ -274,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt-len", type=int, default=64)
     d.add_argument("--new-tokens", type=int, default=64)
     d.add_argument("--repeats", type=int, default=3)
-    d.add_argument("--moe-impl", help="expert paths to compare, e.g. dense,tiled (default: the model's)")
+    d.add_argument("--moe-impl", help="expert paths to compare, e.g. dense,tiled,auto (default: "
+                                      "the model's)")
     d.add_argument("--json", action="store_true")
     _add_decode_flags(d, buffer_size_list=True)
     multihost.add_launch_flags(d)

@@ -25,7 +25,7 @@ MODEL_PRESET_DIR = REPO_ROOT / "configs" / "models"  # architectures (random ini
 SHIPPED_MODEL_DIR = REPO_ROOT / "models"  # trained models shipped in the repo (tiny-bd, tiny-mbd)
 
 RouterType = Literal["softmax_topk", "sigmoid_grouped"]
-MoeImpl = Literal["dense", "ragged", "tiled"]
+MoeImpl = Literal["auto", "dense", "ragged", "tiled"]  # auto: chosen per backend (model/moe.py)
 AttentionImpl = Literal["chunked", "dense"]
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -162,7 +162,7 @@ class ModelConfig:
     n_group: int = 1  # sigmoid_grouped: experts are split into n_group groups ...
     topk_group: int = 1  # ... and only the best topk_group groups may be chosen
     routed_scaling_factor: float = 1.0
-    moe_impl: MoeImpl = "dense"
+    moe_impl: MoeImpl = "auto"
     # Attention.
     rope_theta: float = 10000.0
     rotary_fraction: float = 1.0  # share of head_dim that is rotated (LLaDA2: 0.5)
@@ -258,6 +258,39 @@ class ModelConfig:
         unused = (self.num_experts - self.num_experts_per_tok) * 3 * self.hidden_size * f
         n_moe = self.num_layers - self.first_k_dense
         return self.num_params() - n_moe * unused
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """ModelConfig fields that change how the model runs, not its weights: they may be overridden
+    at load time (--moe-impl and friends, the serve config's `runtime:` section) without touching
+    a model directory's checksummed files. None keeps the model's own value."""
+
+    moe_impl: MoeImpl | None = None
+    attention_impl: AttentionImpl | None = None
+    attention_chunk: int | None = None
+    compute_dtype: DType | None = None
+
+    def validate(self, where: str = "runtime") -> None:
+        _check(self.attention_chunk is None or self.attention_chunk > 0, where,
+               "field 'attention_chunk' must be > 0 or null")
+
+
+RUNTIME_FIELDS = tuple(f.name for f in dataclasses.fields(RuntimeConfig))
+
+
+def with_runtime(cfg: ModelConfig, overrides: dict[str, Any] | None, where: str) -> ModelConfig:
+    """`cfg` with runtime settings replaced (None values ignored); anything else is refused."""
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    bad = sorted(set(overrides) - set(RUNTIME_FIELDS))
+    if bad:
+        raise ConfigError(f"{where}: {', '.join(bad)} cannot be overridden at load time; runtime "
+                          f"settings: {', '.join(RUNTIME_FIELDS)}")
+    if not overrides:
+        return cfg
+    data = {**dataclasses.asdict(cfg), **overrides}
+    data["eos_token_ids"] = list(data["eos_token_ids"])
+    return from_dict(ModelConfig, data, where=where)
 
 
 def load_yaml(path: pathlib.Path) -> Any:
@@ -470,6 +503,7 @@ class ServeConfig:
     """configs/serve.yaml: the service's settings (unknown or ill-typed fields are rejected)."""
 
     model: str = "tiny-mbd"
+    runtime: RuntimeConfig = RuntimeConfig()  # overrides of the model's runtime settings
     generation: GenerationConfig = GenerationConfig()
     decoding: DecodeConfig = DecodeConfig(buffer_size=2)  # request defaults
     server: ServerConfig = ServerConfig()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import pathlib
 import shutil
 import time
@@ -27,6 +28,8 @@ FAMILIES = ("llada2_moe", "sdar", "sdar_moe")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "chat_template.jinja", "generation_config.json")
 MASK_TOKENS = ("<|mask|>", "<|MASK|>", "[MASK]", "<mask>")
+
+log = logging.getLogger("mbd_jax.convert")
 
 
 # ---------------------------------------------------------------------------- config
@@ -85,7 +88,7 @@ def model_config(hf: dict, family: str, name: str, dtype: str, mask_token_id: in
                            num_experts_per_tok=need("num_experts_per_tok"),
                            moe_intermediate_size=need("moe_intermediate_size"),
                            router="softmax_topk", norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                           moe_impl="ragged", chat_template="qwen")
+                           moe_impl="auto", chat_template="qwen")
     return ModelConfig(
         **{**common, "qk_norm": bool(hf.get("use_qk_norm", True))}, chat_template="llada2",
         first_k_dense=int(hf.get("first_k_dense_replace", 0)),
@@ -95,7 +98,7 @@ def model_config(hf: dict, family: str, name: str, dtype: str, mask_token_id: in
         norm_topk_prob=bool(hf.get("norm_topk_prob", True)), n_group=int(hf.get("n_group", 1) or 1),
         topk_group=int(hf.get("topk_group", 1) or 1),
         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-        rotary_fraction=float(partial), moe_impl="ragged")
+        rotary_fraction=float(partial), moe_impl="auto")
 
 
 # ---------------------------------------------------------------------------- tensors
@@ -268,10 +271,30 @@ def _special_ids(src: pathlib.Path, hf: dict, mask_token_id: int | None) -> tupl
     return int(mask_token_id), [int(e) for e in (eos if isinstance(eos, list) else [eos])]
 
 
+BLOCK_SIZE_KEYS = ("block_size", "block_length", "bd_size")  # where checkpoints state it
+
+
+def source_block_size(hf: dict, given: int | None) -> int:
+    """The diffusion block size: --block-size, else the checkpoint's config; never a guess (a
+    model decoded with the wrong block is silently wrong)."""
+    stated = next((hf[k] for k in BLOCK_SIZE_KEYS if isinstance(hf.get(k), int)), None)
+    if given is not None:
+        if stated is not None and stated != given:
+            log.warning("--block-size %d differs from config.json's %d; using %d", given, stated,
+                        given)
+        return given
+    if stated is None:
+        raise UserError("config.json states no diffusion block size (none of "
+                        f"{', '.join(BLOCK_SIZE_KEYS)}); pass --block-size (LLaDA2.x: 32; SDAR: "
+                        "the b<N> in the model's name)")
+    return stated
+
+
 def convert(src: str | pathlib.Path, dst: str | pathlib.Path, *, family: str = "auto",
-            dtype: str = "bfloat16", mask_token_id: int | None = None, block_size: int = 32,
-            progress: bool = True) -> dict[str, Any]:
-    """Converts a Hugging Face checkpoint directory; returns the manifest."""
+            dtype: str = "bfloat16", mask_token_id: int | None = None,
+            block_size: int | None = None, progress: bool = True) -> dict[str, Any]:
+    """Converts a Hugging Face checkpoint directory; returns the manifest. `dtype` is the
+    parameters' and the compute dtype (change compute_dtype at load with --compute-dtype)."""
     import ml_dtypes
     from tqdm import tqdm
 
@@ -283,6 +306,7 @@ def convert(src: str | pathlib.Path, dst: str | pathlib.Path, *, family: str = "
     if family not in FAMILIES:
         raise UserError(f"--family {family!r}: expected auto or one of {', '.join(FAMILIES)}")
     mask_id, eos_ids = _special_ids(src, hf, mask_token_id)
+    block_size = source_block_size(hf, block_size)
     try:
         cfg = model_config(hf, family, src.name, dtype, mask_id, eos_ids, block_size)
         cfg.validate("converted config")

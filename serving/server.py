@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import pathlib
@@ -62,7 +63,7 @@ def load_api_keys(path: str | None) -> list[str]:
 
 def build_engine(cfg: ServeConfig, mesh: jax.sharding.Mesh | None = None) -> Engine:
     """The service's engine (on every process of a multi-process launch)."""
-    model = load_model(cfg.model, mesh=mesh)
+    model = load_model(cfg.model, mesh=mesh, runtime=dataclasses.asdict(cfg.runtime))
     if model.tokenizer is None:
         raise UserError(f"model {cfg.model}: the service needs a tokenizer")
     if cfg.generation.block_size not in (None, model.cfg.block_size):

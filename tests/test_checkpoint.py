@@ -43,3 +43,15 @@ def test_model_dir_without_params_is_a_clear_error(tmp_path, cfg, params):
 def test_shape_only_preset_needs_weights():
     with pytest.raises(ConfigError, match="describes a shape only"):
         load_model("llada2-mini")
+
+
+def test_runtime_overrides_apply_after_the_checksum_and_nothing_else_changes():
+    m = load_model("tiny-mbd", runtime={"moe_impl": "dense", "attention_chunk": 64,
+                                        "compute_dtype": None})
+    base = load_model("tiny-mbd", with_weights=False)
+    assert m.cfg.moe_impl == "dense" and m.cfg.attention_chunk == 64
+    assert m.cfg.compute_dtype == base.cfg.compute_dtype  # None keeps the model's value
+    with pytest.raises(ConfigError, match="num_layers cannot be overridden at load time"):
+        load_model("tiny-mbd", runtime={"num_layers": 3})
+    with pytest.raises(ConfigError, match="'moe_impl' must be one of"):
+        load_model("tiny-mbd", runtime={"moe_impl": "fast"})

@@ -25,8 +25,10 @@ def test_generate_json_and_profile(tmp_path):
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert len(rows) == 2
     for row in rows:
-        for key in ("text", "token_ids", "nfe", "tpf", "finish_reason", "seconds", "bubble_forwards"):
+        for key in ("text", "token_ids", "nfe", "tpf", "finish_reason", "seconds", "bubble_forwards",
+                    "compile_seconds"):
             assert key in row
+        assert row["compile_seconds"] > 0 and row["seconds"] > 0
         assert row["finish_reason"] == "length" and len(row["token_ids"]) == 12
         assert row["nfe"] >= 1 and 0 < row["tpf"] <= 8
     assert "Traceback" not in r.stderr
@@ -45,6 +47,9 @@ def test_generate_json_and_profile(tmp_path):
     (["eval", "--limit", "0"], "--limit must be >= 1"),
     (["eval", "--buffer-size", "0"], "'buffer_size' must be in [1, 1024]"),
     (["train", "--config", "no/such.yaml"], "cannot read config file no/such.yaml"),
+    (["bench", "decode", "--max-new-tokens", "5"], "--max-new-tokens is not used here"),
+    (["bench", "decode", "--moe-impl", "dense,fast"], "--moe-impl 'fast': expected"),
+    (["generate", "--prompt", "hi", "--attention-chunk", "0"], "'attention_chunk' must be > 0"),
 ])
 def test_bad_input_gives_a_clear_error(args, needle):
     r = run(*args)
@@ -86,3 +91,18 @@ def test_bench_random_weights_runs_a_shape_only_preset(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads(r.stdout.strip().splitlines()[-1])
     assert report["rows"][0]["tokens_per_s"] > 0 and report["rows"][0]["compiles_after_warmup"] == 0
+
+
+def test_runtime_settings_override_a_checksummed_model():
+    """A shipped model (manifest-checked config.yaml) decodes with another expert path given by a
+    flag, without edits to its files; the paths agree token for token."""
+    out = {}
+    for impl in ("auto", "dense"):
+        r = run("generate", "--prompt", "Sort: 7 2 9 4", "--chat", "--max-new-tokens", "16",
+                "--moe-impl", impl, "--json")
+        assert r.returncode == 0, r.stderr
+        out[impl] = json.loads(r.stdout.splitlines()[0])["token_ids"]
+    assert out["auto"] == out["dense"] and out["auto"]
+    status = subprocess.run(["git", "status", "--porcelain", "models/"], capture_output=True,
+                            text=True, cwd=ROOT)
+    assert status.stdout == ""

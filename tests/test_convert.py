@@ -304,8 +304,12 @@ def test_corruption_and_missing_tensors_are_named(tmp_path):
     dropped = dict(sd)
     del dropped["model.layers.1.mlp.experts.5.up_proj.weight"]
     with pytest.raises(UserError, match="missing tensor 'model.layers.1.mlp.experts.5.up_proj.weight'"):
-        convert(write_llada(tmp_path / "hf2", dropped), tmp_path / "out2", progress=False)
+        convert(write_llada(tmp_path / "hf2", dropped), tmp_path / "out2", block_size=BLOCK,
+                progress=False)
     reshaped = dict(sd)
     reshaped["model.layers.0.attention.dense.weight"] = torch.zeros(32, 16)
     with pytest.raises(UserError, match="tensor 'model.layers.0.attention.dense.weight' has shape"):
-        convert(write_llada(tmp_path / "hf3", reshaped), tmp_path / "out3", progress=False)
+        convert(write_llada(tmp_path / "hf3", reshaped), tmp_path / "out3", block_size=BLOCK,
+                progress=False)
+    with pytest.raises(UserError, match="states no diffusion block size.*pass --block-size"):
+        convert(write_llada(tmp_path / "hf4", sd), tmp_path / "out4", progress=False)

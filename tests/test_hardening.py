@@ -254,8 +254,10 @@ def test_key_guessing_is_rate_limited_and_401_says_how_to_authenticate(server):
 def test_idle_and_slow_connections_are_capped_and_timed_out(tmp_path):
     """A cap of 16 connections: the 17th and later get a 503 at once instead of using up file
     descriptors; idle sockets, a client stalling in its headers and one stalling in its body
-    are closed by the timeouts, after which /health answers again."""
-    srv = Server(tmp_path, [KEY], max_connections=16, header_timeout_s=1.0, body_timeout_s=1.0)
+    are closed by the timeouts, after which /health answers again. Then SIGTERM with nothing in
+    flight: the port keeps answering 503 (not refusing connections) for drain_min_s, exit 0."""
+    srv = Server(tmp_path, [KEY], max_connections=16, header_timeout_s=1.0, body_timeout_s=1.0,
+                 drain_min_s=3.0)
     try:
         idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(16)]
         time.sleep(0.2)
@@ -280,6 +282,12 @@ def test_idle_and_slow_connections_are_capped_and_timed_out(tmp_path):
         assert m["mbd_connections_refused_total"] >= 200 and m["mbd_connections_timed_out_total"] >= 17
         log = srv.log_text()
         assert "Traceback" not in log and len(log) < 20_000
+
+        srv.proc.send_signal(signal.SIGTERM)
+        for delay in (0.3, 1.5):
+            time.sleep(delay)
+            assert httpx.get(srv.url + "/ready", timeout=10).status_code == 503
+        assert srv.proc.wait(timeout=60) == 0
     finally:
         srv.stop()
 
@@ -323,18 +331,6 @@ def test_drain_timeout_ends_requests_with_an_error_and_exits_non_zero(tmp_path):
         assert lines[-1] == "[DONE]" and error["code"] == 503 and "shut down" in error["message"]
         assert plain.status_code == 503 and "drain_timeout_s" in plain.json()["error"]["message"]
         assert srv.proc.wait(timeout=60) == 3
-    finally:
-        srv.stop()
-
-
-def test_sigterm_with_nothing_in_flight_keeps_answering_503_for_drain_min_s(tmp_path):
-    srv = Server(tmp_path, [KEY], drain_min_s=3.0)
-    try:
-        srv.proc.send_signal(signal.SIGTERM)
-        for delay in (0.3, 1.5):
-            time.sleep(delay)
-            assert httpx.get(srv.url + "/ready", timeout=10).status_code == 503
-        assert srv.proc.wait(timeout=60) == 0
     finally:
         srv.stop()
 

@@ -158,3 +158,25 @@ def test_tiled_steps_skip_empty_tiles_and_differentiate_like_dense():
     for a, b in zip(got, want):
         assert float(jnp.abs(b).max()) > 1e-3
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def test_auto_expert_path_is_chosen_per_backend():
+    from mbd_jax.model.moe import resolve_impl
+
+    assert resolve_impl("auto", "cpu") == "tiled"  # ragged_dot on CPU computes every expert
+    assert resolve_impl("auto", "gpu") == "ragged" and resolve_impl("auto", "tpu") == "ragged"
+    assert resolve_impl("dense", "cpu") == "dense"
+
+
+def test_auto_model_equals_the_dense_reference():
+    import numpy as np
+
+    from mbd_jax.model.transformer import Transformer, block_causal_mask
+    from tests.conftest import tiny_cfg, tiny_params
+
+    tokens = np.arange(3, 19, dtype=np.int32)[None] % 200 + 5
+    pos = np.arange(16, dtype=np.int32)[None]
+    mask = block_causal_mask(pos, tiny_cfg().block_size)
+    out = {impl: Transformer(tiny_cfg(moe_impl=impl)).apply(
+        {"params": tiny_params()}, tokens, pos, mask=mask)[0] for impl in ("auto", "dense")}
+    np.testing.assert_allclose(out["auto"], out["dense"], atol=1e-5)

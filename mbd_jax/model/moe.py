@@ -155,3 +155,15 @@ def experts_tiled(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.
 
 
 EXPERT_IMPLS = {"dense": experts_dense, "ragged": experts_ragged, "tiled": experts_tiled}
+# `moe_impl: auto`: on CPU ragged_dot expands to every expert for every token (the dense cost),
+# while the tiled path does only the routed work (docs/performance.md); accelerators have a
+# grouped-matmul kernel behind ragged_dot.
+AUTO_IMPL = {"cpu": "tiled"}
+AUTO_DEFAULT = "ragged"
+
+
+def resolve_impl(name: str, backend: str | None = None) -> str:
+    """The expert path `name` stands for on `backend` (default: JAX's default backend)."""
+    if name != "auto":
+        return name
+    return AUTO_IMPL.get(backend or jax.default_backend(), AUTO_DEFAULT)

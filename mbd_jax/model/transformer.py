@@ -119,7 +119,7 @@ class MoE(nn.Module):
         wg = _param(self, "experts_gate", (e, d, f), ("expert", "embed", "mlp"), _normal(cfg))
         wu = _param(self, "experts_up", (e, d, f), ("expert", "embed", "mlp"), _normal(cfg))
         wd = _param(self, "experts_down", (e, f, d), ("expert", "mlp", "embed"), _normal(cfg))
-        experts = moe.EXPERT_IMPLS[cfg.moe_impl]
+        experts = moe.EXPERT_IMPLS[moe.resolve_impl(cfg.moe_impl)]
         if self.mesh is not None and self.mesh.size > 1:
             experts = sharded_experts(experts, self.mesh)
         out = experts(tokens, ids, weights, wg.astype(dt), wu.astype(dt), wd.astype(dt))
