@@ -75,7 +75,7 @@ def model_config(hf: dict, family: str, name: str, dtype: str, mask_token_id: in
         block_size=block_size, mask_token_id=mask_token_id, eos_token_ids=tuple(eos_ids),
         pad_token_id=hf.get("pad_token_id") if isinstance(hf.get("pad_token_id"), int) else eos_ids[0],
         param_dtype=dtype, compute_dtype=dtype, init="checkpoint", qk_norm=True,
-        attention_chunk=512,
+        attention_chunk=128,  # keys per attention chunk: a runtime setting (--attention-chunk)
     )
     if family == "sdar":
         return ModelConfig(**common, num_experts=0, chat_template="qwen")

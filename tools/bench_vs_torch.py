@@ -84,7 +84,7 @@ def torch_generate(model, prompts: np.ndarray, new_tokens: int) -> list[list[int
             for _ in range(BLOCK):
                 logits = model(input_ids=block, past_key_values=cache, use_cache=True,
                                attention_mask=see_all, position_ids=positions).logits
-                cache.crop(start)  # a refining forward stores nothing
+                cache.crop(-BLOCK)  # a refining forward stores nothing (drop its keys)
                 logits[..., MASK_ID] = neg
                 probs = torch.softmax(logits.float(), dim=-1)
                 conf, tok = probs.max(dim=-1)
