@@ -85,6 +85,7 @@ class Scheduler:
         self.error: BaseException | None = None  # set when the engine has failed for good
         self.on_fatal: Callable[[], None] = lambda: None  # called (engine thread) when it has
         self._touched: set[int] = set()  # rows the current iteration's step works on
+        self._in_decode = False  # the current step is the batch-wide decode call
         self._voting = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mbd-vote")
 
     # ------------------------------------------------------------ called from the HTTP side
@@ -154,8 +155,9 @@ class Scheduler:
                 state, admission, decoded = self._iteration(state, admission)
                 failures = 0 if decoded else failures
             except Exception as e:
-                batch_wide = self._touched == set(self._rows)
-                failures += batch_wide
+                # Only failed decode calls count towards giving up: a request that breaks its
+                # own admission is removed with it, however many such requests arrive.
+                failures += self._in_decode
                 self.metrics.engine_failures.inc()
                 log.exception("engine step failed on rows %s", sorted(self._touched))
                 if failures >= self.cfg.server.max_engine_failures:
@@ -173,7 +175,7 @@ class Scheduler:
     def _iteration(self, state, admission):
         """Expire, admit (one prefill chunk), decode, publish. Returns (state, admission, whether
         a decode call ran)."""
-        self._touched = set()
+        self._touched, self._in_decode = set(), False
         state = self._expire_and_cancel(state)
         self._prefetch()
         # Prefill one chunk per iteration, so a long prompt does not stall running rows for more
@@ -189,7 +191,7 @@ class Scheduler:
         decoding = set(self._rows) - self._prefilling
         if not decoding:
             return state, admission, False
-        self._touched = set(self._rows)  # one program runs every row
+        self._touched, self._in_decode = set(self._rows), True  # one program runs every row
         state = self.engine.decode_call(state, self.cfg.server.steps_per_call)
         self._publish(self._fetch(state))
         return state, admission, True

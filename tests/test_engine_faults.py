@@ -65,8 +65,9 @@ async def until_ready(s: Scheduler):
 
 def test_a_request_that_breaks_admission_fails_alone(engine):
     """An unvalidated max_nfe of 2^40 raises on its way to the device (int32); the request gets
-    a 500, a request already decoding finishes untouched, and the next one is served."""
-    s = scheduler(engine)
+    a 500, a request already decoding finishes untouched, and the next one is served. Such
+    failures never count towards giving up (max_engine_failures 1 here)."""
+    s = scheduler(engine, max_engine_failures=1)
 
     async def main():
         await until_ready(s)
@@ -75,6 +76,9 @@ def test_a_request_that_breaks_admission_fails_alone(engine):
         assert first[0] == "tokens"
         bad = await run(s, DecodeConfig(buffer_size=2, max_nfe=2**40))  # skipped validation
         bad_outcome = await outcome(bad)
+        for _ in range(3):  # more of them, on an engine that gives up after one decode failure
+            assert await outcome(await run(s, DecodeConfig(max_post_edit_steps=2**40))) == (
+                "error", 500)
         running_outcome = await outcome(running)
         after = await outcome(await run(s, GOOD))
         return bad_outcome, running_outcome, after
@@ -84,7 +88,7 @@ def test_a_request_that_breaks_admission_fails_alone(engine):
         assert bad == ("error", 500)
         assert running[0] == "done" and len(running[1]) == 400
         assert after == ("done", engine.reference)
-        assert s.error is None and s.metrics.engine_failures._value.get() == 1
+        assert s.error is None and s.metrics.engine_failures._value.get() == 4
     finally:
         s.stop()
 
