@@ -182,7 +182,9 @@ class Service:
         """The request's DecodeConfig (server defaults + overrides) and its thinking flag."""
         for key, value in body.items():
             if key not in allowed:
-                raise HTTPError(400, f"unknown field '{key}'", param=key)
+                shown = key if len(key) <= 64 else key[:64] + "..."
+                raise HTTPError(400, f"unknown field '{shown}'; allowed: {', '.join(sorted(allowed))}",
+                                param=shown)
             if key in _DEFAULT_ONLY and value != _DEFAULT_ONLY[key] and not (
                     key == "logprobs" and value is False):
                 raise HTTPError(400, f"field '{key}' is not supported (only {_DEFAULT_ONLY[key]!r})",
