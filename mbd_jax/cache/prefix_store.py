@@ -280,8 +280,7 @@ class PrefixStore:
         payload = np.ascontiguousarray(entry).tobytes()
         shape = tuple(entry.shape) + (0,) * (6 - entry.ndim)
         fields = _FIELDS.pack(len(payload), entry.dtype.name.encode().ljust(16), *shape)
-        header = _HEADER.pack(_MAGIC, _digest(key, fields, payload), len(payload),
-                              entry.dtype.name.encode().ljust(16), *shape)
+        header = _MAGIC + _digest(key, fields, payload) + fields  # the _HEADER layout
         size = len(header) + len(payload)
         if size > self.disk_capacity:
             return
