@@ -59,7 +59,7 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("runtime settings (default: the model's config)")
     g.add_argument("--moe-impl", choices=typing.get_args(MoeImpl),
-                   help="expert path; auto = dense on CPU, ragged_dot elsewhere")
+                   help="expert path; auto = looped on CPU, ragged_dot elsewhere")
     g.add_argument("--attention-impl", choices=typing.get_args(AttentionImpl))
     g.add_argument("--attention-chunk", type=int, help="keys per online-softmax chunk")
     g.add_argument("--compute-dtype", choices=typing.get_args(DType))

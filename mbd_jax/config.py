@@ -25,7 +25,7 @@ MODEL_PRESET_DIR = REPO_ROOT / "configs" / "models"  # architectures (random ini
 SHIPPED_MODEL_DIR = REPO_ROOT / "models"  # trained models shipped in the repo (tiny-bd, tiny-mbd)
 
 RouterType = Literal["softmax_topk", "sigmoid_grouped"]
-MoeImpl = Literal["auto", "dense", "ragged", "tiled"]  # auto: chosen per backend (model/moe.py)
+MoeImpl = Literal["auto", "dense", "ragged", "tiled", "looped"]  # auto: chosen per backend (model/moe.py)
 AttentionImpl = Literal["chunked", "dense"]
 DType = Literal["float32", "bfloat16", "float16"]
 

@@ -37,7 +37,8 @@ FORWARD = textwrap.dedent("""
     from tests.conftest import tiny_cfg
     assert jax.device_count() == 8
     out = []
-    for router, impl in (("sigmoid_grouped", "ragged"), ("softmax_topk", "tiled")):
+    for router, impl in (("sigmoid_grouped", "ragged"), ("softmax_topk", "tiled"),
+                         ("softmax_topk", "looped")):
         grouped = router == "sigmoid_grouped"
         cfg = tiny_cfg(router=router, moe_impl=impl, num_heads=8, num_kv_heads=8,
                        n_group=4 if grouped else 1, topk_group=2 if grouped else 1)
@@ -58,7 +59,7 @@ FORWARD = textwrap.dedent("""
             experts = sharded["layer_1"]["moe"]["experts_up"]
             q = sharded["layer_0"]["attn"]["q_proj"]
             kv = meshlib.kv_sharding(cfg, m, 2, 64)
-            out.append({"router": router, "mesh": shape, "err": float(np.abs(got - ref).max()),
+            out.append({"router": router, "impl": impl, "mesh": shape, "err": float(np.abs(got - ref).max()),
                         "experts_local": list(experts.addressable_shards[0].data.shape),
                         "experts_global": list(experts.shape),
                         "q_local": list(q.addressable_shards[0].data.shape),
@@ -76,7 +77,7 @@ def test_expert_parallel_forward_equals_unsharded_on_8_cpu_devices():
     really split; the compiled program combines the experts with an all-reduce of the [N, D]
     outputs and never gathers the expert weights."""
     rows = run_on_8_cpu_devices(FORWARD)
-    assert len(rows) == 8
+    assert len(rows) == 12
     for row in rows:
         data, expert, tensor = row["mesh"]
         assert row["err"] < 2e-5, row  # float32; only the order of sums differs

@@ -147,7 +147,8 @@ def run_kind(kind: str, batches: list[int], args, tmp: pathlib.Path) -> list[dic
                "torch_tok_s": tokens / statistics.median(t_torch),
                "mbd_tok_s": tokens / statistics.median(t_ours),
                "torch_s": t_torch, "mbd_s": t_ours, "mbd_compile_s": compile_s,
-               "rows_identical": min(same), "expert_path": resolve_impl(ours.cfg.moe_impl),
+               "rows_identical": min(same),
+               "expert_path": resolve_impl(ours.cfg.moe_impl) if ours.cfg.num_experts else "-",
                "torch_threads": torch.get_num_threads()}
         row["speedup"] = row["mbd_tok_s"] / row["torch_tok_s"]
         rows.append(row)
