@@ -27,6 +27,7 @@ from typing import Any
 import jax
 
 from mbd_jax.config import DecodeConfig, ServeConfig
+from mbd_jax.detokenizer import IncrementalDetokenizer
 from mbd_jax.engine import Engine, GenerationResult
 
 log = logging.getLogger("mbd_jax.serving")
@@ -61,7 +62,7 @@ class Request:
     started: float | None = None
     first_block: float | None = None
     sent_tokens: int = 0
-    sent_text: str = ""
+    detokenizer: IncrementalDetokenizer | None = None  # the streamed text (engine thread)
     prefix: Any = None  # the prefix-cache hit prefetched while it waited (engine.PrefixHit)
     prefetched: bool = False
 
@@ -326,22 +327,20 @@ class Scheduler:
             used += int(host.cached_len[row])
             done = bool(host.done[row])
             if done:
-                ids = self.engine.output_ids(host, row)
+                new = self.engine.output_ids(host, row)[r.sent_tokens:]
             else:  # committed or final (TO_CACHE) blocks never change
-                end = max(p0, int(host.cached_len[row]) + int(host.n_to_cache[row]) * blk)
-                ids = self.engine.output_ids(host, row, end)
-            if len(ids) > r.sent_tokens or done:
-                text = tok.decode(ids) if tok is not None else ""
-                if not done:  # hold back a partial multi-byte character
-                    text = text.rstrip("\ufffd")
-                delta_ids = ids[r.sent_tokens:]
-                delta_text = text[len(r.sent_text):] if text.startswith(r.sent_text) else ""
-                if delta_ids or delta_text:
-                    if r.first_block is None:
-                        r.first_block = now
-                        self.metrics.first_block.observe(now - r.arrived)
-                    r.emit("tokens", delta_ids, delta_text)
-                    r.sent_tokens, r.sent_text = len(ids), r.sent_text + delta_text
+                end = int(host.cached_len[row]) + int(host.n_to_cache[row]) * blk
+                new = host.canvas[row, p0 + r.sent_tokens: max(end, p0)].tolist()
+            text = ""
+            if tok is not None:
+                r.detokenizer = r.detokenizer or IncrementalDetokenizer(tok)
+                text = r.detokenizer.push(new) + (r.detokenizer.finish() if done else "")
+            if new or text:
+                if r.first_block is None:
+                    r.first_block = now
+                    self.metrics.first_block.observe(now - r.arrived)
+                r.emit("tokens", new, text)
+                r.sent_tokens += len(new)
             if done:
                 self._finish(r, host, row, now)
                 with self._lock:
