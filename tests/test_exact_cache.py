@@ -28,6 +28,7 @@ def test_buffer_path_equals_full_forward(router, attention, moe_impl):
                 layer["moe"]["expert_bias"] = jax.random.normal(jax.random.PRNGKey(7), (cfg.num_experts,)) * 0.05
     blk = cfg.block_size
     model = Transformer(cfg)
+    apply = jax.jit(model.apply)  # one compile per shape; eager dispatch of every op is slow
     prompt_lens = [3, 8, 21, 40]  # rows with different prompt lengths (partial and full blocks)
     n_blocks_after = 4
     b = len(prompt_lens)
@@ -37,8 +38,7 @@ def test_buffer_path_equals_full_forward(router, attention, moe_impl):
 
     # Reference: one full-sequence forward per row with the explicit block-causal mask.
     pos = jnp.broadcast_to(jnp.arange(total), (b, total))
-    full, _ = model.apply({"params": params}, jnp.asarray(seqs), pos,
-                          mask=block_causal_mask(pos, blk))
+    full, _ = apply({"params": params}, jnp.asarray(seqs), pos, mask=block_causal_mask(pos, blk))
 
     # Buffer path: the engine's prefill writes each row's full prompt blocks ...
     engine = Engine(cfg, params, batch_size=b, prefill_chunk=16)
@@ -50,8 +50,8 @@ def test_buffer_path_equals_full_forward(router, attention, moe_impl):
     for _ in range(n_blocks_after):
         tokens = np.stack([seqs[i, o:o + blk] for i, o in enumerate(offset)])
         positions = offset[:, None] + np.arange(blk)
-        logits, kv = model.apply({"params": params}, jnp.asarray(tokens), jnp.asarray(positions),
-                                 kv, jnp.asarray(offset), jnp.asarray(offset + blk))
+        logits, kv = apply({"params": params}, jnp.asarray(tokens), jnp.asarray(positions), kv,
+                           jnp.asarray(offset), jnp.asarray(offset + blk))
         for i, o in enumerate(offset):
             ref = full[i, o:o + blk]
             worst = max(worst, float(jnp.max(jnp.abs(logits[i] - ref))))

@@ -207,7 +207,7 @@ def test_auto_model_equals_the_dense_reference():
     tokens = np.arange(3, 19, dtype=np.int32)[None] % 200 + 5
     pos = np.arange(16, dtype=np.int32)[None]
     mask = block_causal_mask(pos, tiny_cfg().block_size)
-    out = {impl: Transformer(tiny_cfg(moe_impl=impl)).apply(
+    out = {impl: jax.jit(Transformer(tiny_cfg(moe_impl=impl)).apply)(
         {"params": tiny_params()}, tokens, pos, mask=mask)[0] for impl in ("auto", "dense")}
     assert float(jnp.abs(out["dense"]).max()) > 0.1
     np.testing.assert_allclose(out["auto"], out["dense"], atol=1e-5)
