@@ -14,6 +14,7 @@ import json
 import logging
 import pathlib
 import re
+import secrets
 import threading
 import time
 import uuid
@@ -191,6 +192,12 @@ class Service:
                                 param=key)
             if key in _STRING_FIELDS and value is not None and not isinstance(value, str):
                 raise HTTPError(400, f"field '{key}' must be a string", param=key)
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            shown = model if len(model) <= 64 else model[:64] + "..."
+            raise HTTPError(404, f"model '{shown}' does not exist; this server serves "
+                                 f"'{self.model_name}' (GET /v1/models)", param="model",
+                            kind="not_found_error")
         gen = self.cfg.generation
         thinking = body.get("thinking", gen.thinking_mode)
         if not isinstance(thinking, bool):
@@ -223,6 +230,8 @@ class Service:
         if isinstance(nfe, int) and not isinstance(nfe, bool) and nfe > gen.max_nfe_limit:
             raise HTTPError(400, f"field 'max_nfe' must be at most {gen.max_nfe_limit} on this "
                                  "server", param="max_nfe")
+        if overrides.get("seed") is None:  # no seed: fresh randomness; a given seed replays
+            overrides["seed"] = secrets.randbelow(2**31)
         base.update(overrides)
         try:
             d = from_dict(DecodeConfig, base, where="decoding")
@@ -492,11 +501,23 @@ def build_apps(svc: Service) -> tuple[Starlette, Starlette]:
              "bubble_forwards": r.bubble_forwards, "finish_reason": r.finish_reason,
              **voting_info(r)} for r in results]})
 
+    def model_card() -> dict:
+        return {"id": svc.model_name, "object": "model", "created": 0, "owned_by": "mbd-jax",
+                "max_model_len": svc.scheduler.engine.cfg.max_seq_len}
+
     @route("/v1/models", ["GET"], "models")
     async def models(request):
         svc.authorize(request)
-        return JSONResponse({"object": "list", "data": [
-            {"id": svc.model_name, "object": "model", "created": 0, "owned_by": "mbd-jax"}]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @route("/v1/models/{model_id:path}", ["GET"], "model")
+    async def model(request):
+        svc.authorize(request)
+        if request.path_params["model_id"] != svc.model_name:
+            raise HTTPError(404, f"model '{request.path_params['model_id'][:64]}' does not exist; "
+                                 f"this server serves '{svc.model_name}'", param="model",
+                            kind="not_found_error")
+        return JSONResponse(model_card())
 
     @route("/health", ["GET"], "health")
     async def health(request):
@@ -516,7 +537,8 @@ def build_apps(svc: Service) -> tuple[Starlette, Starlette]:
         return JSONResponse({"status": "ready"})
 
     handlers = {StarletteHTTPException: http_exception}
-    data = Starlette(routes=[completions, chat_completions, generate, models, health, ready],
+    data = Starlette(routes=[completions, chat_completions, generate, models, model, health,
+                             ready],
                      exception_handlers=handlers)
 
     # ------------------------------------------------------------ admin

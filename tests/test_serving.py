@@ -74,6 +74,33 @@ def test_openai_client_matches_offline_generate(server, offline):
     assert [m.id for m in c.models.list().data] == ["tiny-random"]
 
 
+def test_unknown_models_are_404_and_the_model_card_is_served(server):
+    c = client(server)
+    with pytest.raises(openai.NotFoundError) as e:
+        c.completions.create(model="gpt-4o", prompt="hi", max_tokens=4)
+    assert e.value.body["param"] == "model" and "tiny-random" in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        c.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    card = c.models.retrieve("tiny-random")
+    assert card.id == "tiny-random" and card.model_extra["max_model_len"] == 1024
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("gpt-4o")
+    r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"prompt": "hi", "max_tokens": 4}, timeout=60)  # no model: the served one
+    assert r.status_code == 200 and r.json()["model"] == "tiny-random"
+
+
+def test_sampling_without_a_seed_is_fresh_and_a_seed_replays(server):
+    c = client(server)
+
+    def texts(**seed):
+        return [c.completions.create(model="tiny-random", prompt="Once upon a time", max_tokens=24,
+                                     temperature=2.0, **seed).choices[0].text for _ in range(3)]
+
+    assert len(set(texts())) > 1
+    assert len(set(texts(seed=11))) == 1
+
+
 def test_usage_carries_nfe_and_tpf_and_generate_batches_segments(server, offline):
     h = {"Authorization": f"Bearer {KEY}"}
     r = httpx.post(server.url + "/v1/completions", headers=h, timeout=60,
