@@ -45,6 +45,11 @@ _COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p
            "stream_options", "user", "decoding", "thinking", *_DEFAULT_ONLY}
 
 
+def _shown(text: str, limit: int = 64) -> str:
+    """A client-supplied name as error messages quote it: at most `limit` characters."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 class HTTPError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
                  kind: str = "invalid_request_error", headers: dict | None = None):
@@ -183,7 +188,7 @@ class Service:
         """The request's DecodeConfig (server defaults + overrides) and its thinking flag."""
         for key, value in body.items():
             if key not in allowed:
-                shown = key if len(key) <= 64 else key[:64] + "..."
+                shown = _shown(key)
                 raise HTTPError(400, f"unknown field '{shown}'; allowed: {', '.join(sorted(allowed))}",
                                 param=shown)
             if key in _DEFAULT_ONLY and value != _DEFAULT_ONLY[key] and not (
@@ -194,8 +199,7 @@ class Service:
                 raise HTTPError(400, f"field '{key}' must be a string", param=key)
         model = body.get("model")
         if model is not None and model != self.model_name:
-            shown = model if len(model) <= 64 else model[:64] + "..."
-            raise HTTPError(404, f"model '{shown}' does not exist; this server serves "
+            raise HTTPError(404, f"model '{_shown(model)}' does not exist; this server serves "
                                  f"'{self.model_name}' (GET /v1/models)", param="model",
                             kind="not_found_error")
         gen = self.cfg.generation
@@ -514,7 +518,7 @@ def build_apps(svc: Service) -> tuple[Starlette, Starlette]:
     async def model(request):
         svc.authorize(request)
         if request.path_params["model_id"] != svc.model_name:
-            raise HTTPError(404, f"model '{request.path_params['model_id'][:64]}' does not exist; "
+            raise HTTPError(404, f"model '{_shown(request.path_params['model_id'])}' does not exist; "
                                  f"this server serves '{svc.model_name}'", param="model",
                             kind="not_found_error")
         return JSONResponse(model_card())

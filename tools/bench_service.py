@@ -23,7 +23,6 @@ import sys
 import time
 
 import httpx
-import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -58,7 +57,7 @@ def stream_one(client: httpx.Client, prompt: str, max_tokens: int) -> tuple[floa
 
 
 def main() -> int:
-    from load_test import start_server
+    from load_test import start_server, with_overrides
 
     from mbd_jax.config import load_serve_config
     from serving.server import build_engine
@@ -72,13 +71,7 @@ def main() -> int:
                     metavar="SECTION.FIELD=YAML")
     args = ap.parse_args()
 
-    cfg_dict = yaml.safe_load(args.config.read_text()) or {}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        section, _, field = key.partition(".")
-        cfg_dict.setdefault(section, {})[field] = yaml.safe_load(value)
-    cfg_path = pathlib.Path("/tmp") / f"mbd-bench-service-{time.time_ns()}.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg_dict))
+    cfg_path = with_overrides(args.config, args.set)  # both sides read this file
     cfg = load_serve_config(cfg_path)
 
     engine = build_engine(cfg)

@@ -92,9 +92,9 @@ async def run_level(url: str, key: str | None, concurrency: int, seconds: float)
             "median_latency_s": statistics.median(lat) if lat else float("nan")}
 
 
-def start_server(config: pathlib.Path, overrides: list[str], keys: str = "") -> tuple:
-    """`mbd-jax serve` on free ports with `overrides` (section.field=YAML value) applied to
-    `config`; returns (process, url, admin url) once /ready is 200."""
+def with_overrides(config: pathlib.Path, overrides: list[str]) -> pathlib.Path:
+    """A copy of `config` (in a fresh temporary folder) with `overrides` applied, each
+    section.field=YAML value."""
     cfg = yaml.safe_load(config.read_text()) or {}
     for item in overrides:
         key, _, value = item.partition("=")
@@ -102,6 +102,13 @@ def start_server(config: pathlib.Path, overrides: list[str], keys: str = "") -> 
         cfg.setdefault(section, {})[field] = yaml.safe_load(value)
     path = pathlib.Path(tempfile.mkdtemp(prefix="mbd-load-")) / "serve.yaml"
     path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def start_server(config: pathlib.Path, overrides: list[str], keys: str = "") -> tuple:
+    """`mbd-jax serve` on free ports with `overrides` (section.field=YAML value) applied to
+    `config`; returns (process, url, admin url) once /ready is 200."""
+    path = with_overrides(config, overrides)
     port, admin_port = _free_port(), _free_port()
     url, admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
     proc = subprocess.Popen([sys.executable, "-m", "mbd_jax", "serve", "--config", str(path),
