@@ -243,10 +243,10 @@ _looped.defvjp(_looped_fwd, _looped_bwd)
 
 EXPERT_IMPLS = {"dense": experts_dense, "ragged": experts_ragged, "tiled": experts_tiled,
                 "looped": experts_looped}
-# `moe_impl: auto`: on CPU the looped path (decode of a converted 34M Qwen3-MoE, 16 experts top-4:
-# 1.6-1.9x the dense path at 4 tokens a call, 1.3x at 64; dense computes all E experts and tiled
-# gathers a weight matrix per tile); ragged_dot expands to a dense form there. Accelerators have a
-# grouped-matmul kernel behind ragged_dot.
+# `moe_impl: auto`: on CPU the looped path (reads only the hit experts' weights; dense computes
+# all E experts, tiled gathers a weight matrix per tile; docs/performance.md compares them);
+# ragged_dot expands to a dense form there. Accelerators have a grouped-matmul kernel behind
+# ragged_dot.
 AUTO_IMPL = {"cpu": "looped"}
 AUTO_DEFAULT = "ragged"
 
