@@ -13,13 +13,15 @@ from __future__ import annotations
 
 from mbd_jax.errors import UserError
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer name for system
+THINK_END = "</think>"  # every template closes its thinking section with this
 
 
 def render(messages: list[dict], thinking: bool = False, template: str = "plain") -> str:
     """messages: [{"role": ..., "content": str}, ...] -> the prompt text, ending where the
     assistant's reply begins."""
     _check(messages)
+    messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
     if template == "qwen":
         text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
         return text + "<|im_start|>assistant\n" + ("" if thinking else "<think>\n\n</think>\n\n")
@@ -46,3 +48,36 @@ def _check(messages: list[dict]) -> None:
             raise UserError(f"messages[{i}].role: must be one of {', '.join(ROLES)}, got {role!r}")
         if not isinstance(content, str):
             raise UserError(f"messages[{i}].content: must be a string")
+
+
+def split_reasoning(text: str) -> tuple[str, str]:
+    """A thinking reply's (reasoning, answer): the text before and after THINK_END (the prompt
+    opened the thinking section, so a reply that never closes it is all reasoning)."""
+    head, _, tail = text.partition(THINK_END)
+    return head, tail.lstrip()
+
+
+class ReasoningStream:
+    """split_reasoning over streamed deltas: each `push` returns (reasoning delta, answer delta).
+    Text is reasoning until THINK_END; a possible partial THINK_END is held back."""
+
+    def __init__(self) -> None:
+        self._pending, self.answering = "", False
+
+    def push(self, text: str) -> tuple[str, str]:
+        if self.answering:
+            return "", text
+        self._pending += text
+        head, sep, tail = self._pending.partition(THINK_END)
+        if sep:
+            self._pending, self.answering = "", True
+            return head, tail.lstrip()
+        keep = next((k for k in range(len(THINK_END) - 1, 0, -1)
+                     if self._pending.endswith(THINK_END[:k])), 0)
+        out = self._pending[: len(self._pending) - keep]
+        self._pending = self._pending[len(out):]
+        return out, ""
+
+    def finish(self) -> tuple[str, str]:
+        out, self._pending = self._pending, ""
+        return out, ""

@@ -46,6 +46,8 @@ def _add_decode_flags(p: argparse.ArgumentParser, buffer_size_list: bool = False
     g.add_argument("--vote-pattern", help="regex extractor: answer = group 1")
     g.add_argument("--temperature", type=float, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, help="nucleus sampling mass (default 1)")
+    g.add_argument("--top-k", type=int, help="sample among the k most likely tokens (default 0: "
+                                             "no limit)")
     g.add_argument("--seed", type=int, help="sampling seed (default 0)")
     g.add_argument("--max-nfe", type=int, help="decode forwards per request at most (default 1024)")
 
@@ -87,7 +89,8 @@ def _decode_config(args: argparse.Namespace):
         add_block_threshold=args.add_block_threshold,
         semi_complete_threshold=args.semi_complete_threshold,
         token_stability_threshold=args.token_stability_threshold,
-        steps_per_block=args.steps_per_block, temperature=args.temperature, top_p=args.top_p,
+        steps_per_block=args.steps_per_block, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p,
         seed=args.seed, max_new_tokens=args.max_new_tokens, max_nfe=args.max_nfe)
 
 
@@ -184,7 +187,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from mbd_jax.config import load_serve_config
-    from serving.server import load_api_keys, serve
+    from mbd_jax.serving.server import load_api_keys, serve
 
     cfg = load_serve_config(args.config, **{
         "model": args.model, "server.host": args.host, "server.port": args.port,

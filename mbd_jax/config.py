@@ -373,6 +373,7 @@ class DecodeConfig:
     edit_threshold: float = 0.5  # edit: rewrite a filled token when another is this confident
     max_post_edit_steps: int = 16  # edit: a block is final after block_size + this many steps
     temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # sample among the k most likely tokens; 0 = no limit
     top_p: float = 1.0
     seed: int = 0
     max_new_tokens: int = 128
@@ -390,6 +391,7 @@ class DecodeConfig:
         _check_range(self, where, "add_block_threshold", 0.0, 1e6)
         _check_range(self, where, "factor", 1e-6, 1e6)
         _check_range(self, where, "temperature", 0.0, 100.0)
+        _check_range(self, where, "top_k", 0, 1 << 30)
         for f in ("accept_threshold", "semi_complete_threshold", "token_stability_threshold"):
             v = getattr(self, f)
             _check(0.0 <= v <= 1.0, where, f"field '{f}' must be in [0, 1], got {v}")

@@ -222,6 +222,7 @@ class Engine:
             edit_threshold=col(lambda d: d.edit_threshold),
             max_block_steps=col(lambda d: cfg.block_size + d.max_post_edit_steps, np.int32),
             temperature=col(lambda d: d.temperature),
+            top_k=col(lambda d: d.top_k, np.int32),
             top_p=col(lambda d: d.top_p),
             seed=col(lambda d: d.seed, np.int32),
         )

@@ -1,6 +1,8 @@
-"""Chat templates: each family's documented format and its thinking switch."""
+"""Chat templates: each family's documented format and its thinking switch; the reasoning split."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from mbd_jax import chat
 from mbd_jax.errors import UserError
@@ -33,3 +35,26 @@ def test_plain_template_and_errors():
         chat.render([{"role": "robot", "content": "x"}])
     with pytest.raises(UserError, match=r"messages\[1\].content: must be a string"):
         chat.render([{"role": "user", "content": "x"}, {"role": "user", "content": 3}])
+
+
+def test_developer_is_rendered_as_system():
+    dev = [{"role": "developer", "content": "Be brief."}, *MESSAGES[1:]]
+    for template in ("plain", "qwen", "llada2"):
+        assert chat.render(dev, template=template) == chat.render(MESSAGES, template=template)
+
+
+@given(st.text(alphabet="ab</think>\n ", max_size=40), st.lists(st.integers(1, 6), max_size=12))
+def test_streamed_reasoning_split_equals_the_whole_text_split(text, cuts):
+    """However the reply arrives in pieces, the streamed (reasoning, answer) deltas concatenate
+    to split_reasoning of the whole reply."""
+    stream, thought, answer, at = chat.ReasoningStream(), "", "", 0
+    for n in cuts + [len(text)]:
+        t, a = stream.push(text[at: at + n])
+        thought, answer, at = thought + t, answer + a, at + n
+    t, a = stream.finish()
+    assert (thought + t, answer + a) == chat.split_reasoning(text)
+
+
+def test_split_reasoning():
+    assert chat.split_reasoning("plan </think>\n\n42") == ("plan ", "42")
+    assert chat.split_reasoning("still thinking") == ("still thinking", "")

@@ -163,3 +163,23 @@ def test_prefill_chunks_interleave_with_running_rows(cfg, params):
     got = eng.results(state, 2, 0.0)
     assert interleaved >= 4
     assert [r.token_ids for r in got] == [w.token_ids for w in want]
+
+
+def test_top_k_and_top_p_keep_the_numpy_reference_set():
+    """Per row: the top_k most likely tokens (0: all), cut further to the smallest set whose
+    mass reaches top_p; everything else is masked out of sampling."""
+    from mbd_jax.decoding.policy import _truncate
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(4, 3, 50)).astype(np.float32) * 2
+    top_k = np.array([0, 1, 5, 7], np.int32)
+    top_p = np.array([0.5, 1.0, 1.0, 0.6], np.float32)
+    kept = np.asarray(_truncate(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p))) > -1e29
+    for b in range(4):
+        for w in range(3):
+            order = np.argsort(-logits[b, w])
+            p = np.exp(logits[b, w] - logits[b, w].max())
+            p = p[order] / p.sum()
+            n = int(np.sum(np.cumsum(p) - p < top_p[b]))
+            if top_k[b]:
+                n = min(n, top_k[b])
+            assert set(np.flatnonzero(kept[b, w])) == set(order[:n].tolist()), (b, w)

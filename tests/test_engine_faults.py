@@ -15,8 +15,8 @@ import pytest
 
 from mbd_jax.config import DecodeConfig, ServeConfig, ServerConfig
 from mbd_jax.engine import Engine
-from serving.metrics import Metrics
-from serving.scheduler import EngineDown, Request, Scheduler
+from mbd_jax.serving.metrics import Metrics
+from mbd_jax.serving.scheduler import EngineDown, Request, Scheduler
 from tests.conftest import tiny_cfg, tiny_params
 
 GOOD = DecodeConfig(buffer_size=2, max_new_tokens=24)

@@ -142,14 +142,28 @@ def test_64_concurrent_requests_equal_offline(server, offline):
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": 12}, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, "max_new_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, "max_new_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1024}, "max_tokens"),  # + prompt > 1024
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "max_completion_tokens": 0}, "max_completion_tokens"),
     ("/v1/completions", {"prompt": "hi", "decoding": {"policy": "magic"}}, "policy"),
     ("/v1/completions", {"prompt": "hi", "decoding": {"accept_threshold": 1.5}}, "accept_threshold"),
     ("/v1/completions", {"prompt": "hi", "decoding": {"buffer_size": 9}}, "decoding"),
     ("/v1/completions", {"prompt": "hi", "decoding": {"nope": 1}}, "decoding"),
-    ("/v1/completions", {"prompt": "hi", "n": 3}, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 99}, "n"),
+    ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 3}, "n"),  # 9 choices > max_segments 8
+    ("/v1/completions", {"prompt": [[1, 2], "x"]}, "prompt"),
+    ("/v1/completions", {"prompt": [[5, 10**6]]}, "prompt"),
+    ("/v1/completions", {"prompt": ["ok", [5, 6]]}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["ok", ""]}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content"),
     ("/v1/completions", {"prompt": "hi", "temperature": 7}, "temperature"),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
     ("/v1/completions", {"prompt": "hi", "frobnicate": True}, "frobnicate"),
@@ -256,7 +270,8 @@ def test_thinking_requests_use_their_template_and_budget(server, offline):
     assert r.status_code == 200, r.text
     (want,) = offline([offline.tokenizer.encode(chat.render(messages, thinking=True))],
                       max_new_tokens=16)
-    assert r.json()["choices"][0]["message"]["content"] == want.text
+    message = r.json()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == chat.split_reasoning(want.text)
     r = httpx.post(server.url + "/v1/chat/completions", headers=h, timeout=60,
                    json={"messages": messages, "thinking": True, "max_tokens": 600})
     assert r.status_code == 400 and "thinking" in r.json()["error"]["message"]
@@ -343,6 +358,26 @@ def test_deadlines_give_504(tmp_path):
         srv.stop()
 
 
+def test_generate_keeps_finished_segments_when_others_time_out(tmp_path):
+    """One row, a 60 ms queue timeout: the first segment decodes 200 tokens (200+ forwards, far
+    longer than 60 ms) while the others wait and time out. The answer keeps the finished
+    segment and gives each failed one its own error."""
+    srv = Server(tmp_path, [KEY], max_batch_size=1, queue_timeout_ms=60)
+    try:
+        r = httpx.post(srv.url + "/generate", headers={"Authorization": f"Bearer {KEY}"},
+                       timeout=120, json={"segments": ["hi", "yo", "ok"], "max_new_tokens": 200,
+                                          "decoding": {"buffer_size": 1, "policy": "fixed_steps",
+                                                       "steps_per_block": 8}})
+        assert r.status_code == 200, r.text
+        out, segments = r.json()["output"], r.json()["segments"]
+        assert isinstance(out[0], str) and segments[0]["tokens"] == 200
+        assert out[1:] == [None, None]
+        assert [s["error"]["code"] for s in segments[1:]] == [503, 503]
+        assert "queue_timeout_ms" in segments[1]["error"]["message"]
+    finally:
+        srv.stop()
+
+
 def test_voting_through_the_service(server):
     r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                    timeout=60, json={"prompt": "What is 12 + 30?", "max_tokens": 16,
@@ -381,3 +416,110 @@ def test_shared_system_prompt_hits_the_prefix_cache_across_a_restart(tmp_path, o
             assert 0 < met["mbd_prefix_cache_hit_ratio"] <= 1
         finally:
             srv.stop()
+
+
+# ------------------------------------------------------------------ the OpenAI request surface
+
+def test_batched_prompts_token_ids_and_n_choices_match_offline(server, offline):
+    """prompt as a list (what the SDK sends for batches) and as token ids; n choices per prompt
+    (index = prompt * n + j, choice j sampled with seed + j); usage counts each prompt once."""
+    c, tok = client(server), offline.tokenizer
+    prompts = ["Once upon a time", "Sort: 3 1 2"]
+    r = c.completions.create(model="tiny-random", prompt=prompts, n=2, max_tokens=10,
+                             temperature=1.0, seed=7)
+    assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
+    for ch in r.choices:
+        (want,) = offline([tok.encode(prompts[ch.index // 2])], max_new_tokens=10,
+                          temperature=1.0, seed=7 + ch.index)
+        assert ch.text == want.text, ch.index
+    assert r.usage.prompt_tokens == sum(len(tok.encode(p)) for p in prompts)
+    assert r.usage.completion_tokens == 40
+    by_ids = c.completions.create(model="tiny-random", prompt=[tok.encode(p) for p in prompts],
+                                  max_tokens=10, temperature=1.0, seed=7, n=2)
+    assert [ch.text for ch in by_ids.choices] == [ch.text for ch in r.choices]
+    single = c.completions.create(model="tiny-random", prompt=tok.encode(prompts[1]),
+                                  max_tokens=10, temperature=1.0, seed=9)
+    assert single.choices[0].text == r.choices[2].text  # seed 9 = choice 2's seed 7 + 2
+
+
+def test_stop_strings_cut_the_text_and_free_the_row(server):
+    c = client(server)
+    full = c.completions.create(model="tiny-random", prompt="Once upon a time", max_tokens=40)
+    text = full.choices[0].text
+    stop = next(text[i: i + 3] for i in range(4, len(text) - 3) if text[i: i + 3].strip())
+    cut = text[: text.index(stop)]
+    r = c.completions.create(model="tiny-random", prompt="Once upon a time", max_tokens=40,
+                             stop=["never appears \u2603", stop])
+    assert r.choices[0].text == cut and stop not in r.choices[0].text
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 40
+    streamed = list(c.completions.create(model="tiny-random", prompt="Once upon a time",
+                                         max_tokens=40, stop=stop, stream=True))
+    assert "".join(ch.choices[0].text for ch in streamed) == cut
+    assert streamed[-1].choices[0].finish_reason == "stop"
+    # the stopped rows were freed: nothing busy, and [] stops nothing
+    deadline = time.monotonic() + 10
+    while server.metrics()["mbd_busy_rows"] != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.metrics()["mbd_busy_rows"] == 0
+    assert c.completions.create(model="tiny-random", prompt="Once upon a time", max_tokens=40,
+                                stop=[]).choices[0].text == text
+
+
+def test_chat_stream_with_n_and_usage_developer_role_and_content_parts(server, offline):
+    c, tok = client(server), offline.tokenizer
+    messages = [{"role": "developer", "content": [{"type": "text", "text": "Be"},
+                                                  {"type": "text", "text": "brief."}]},
+                {"role": "user", "content": "What is 2 + 2?"}]
+    as_system = [{"role": "system", "content": "Be\nbrief."}, messages[1]]
+    chunks = list(c.chat.completions.create(
+        model="tiny-random", messages=messages, max_tokens=12, n=2, temperature=1.0, seed=4,
+        stream=True, stream_options={"include_usage": True}))
+    texts, reasons = {0: "", 1: ""}, {}
+    for ch in chunks[:-1]:
+        for choice in ch.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+    for j in (0, 1):
+        (want,) = offline([tok.encode(chat.render(as_system))], max_new_tokens=12,
+                          temperature=1.0, seed=4 + j)
+        assert texts[j] == want.text, j
+    assert reasons == {0: "length", 1: "length"}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+
+
+def test_top_k_one_is_greedy_at_any_temperature(server):
+    c = client(server)
+    greedy = c.completions.create(model="tiny-random", prompt="Once upon a time", max_tokens=16)
+    for _ in range(2):  # unseeded: fresh randomness, which top_k 1 leaves no room for
+        r = c.completions.create(model="tiny-random", prompt="Once upon a time", max_tokens=16,
+                                 temperature=2.0, extra_body={"top_k": 1})
+        assert r.choices[0].text == greedy.choices[0].text
+
+
+def test_harmless_fields_are_accepted_and_logged_and_thinking_kwargs_work(server, offline):
+    c = client(server)
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    r = c.chat.completions.create(
+        model="tiny-random", messages=messages, max_tokens=8, user="u1", store=False,
+        metadata={"team": "a"}, parallel_tool_calls=False, tool_choice="none",
+        response_format={"type": "text"}, extra_body={"chat_template_kwargs": {"foo": 1}})
+    assert r.choices[0].message.content
+    assert "ignoring store, metadata, parallel_tool_calls, chat_template_kwargs.foo" in server.log_text()
+    # thinking switched by chat_template_kwargs: the thinking template, the reply in
+    # reasoning_content up to </think> (this random model never closes it)
+    r = c.chat.completions.create(model="tiny-random", messages=messages, max_tokens=16,
+                                  extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    (want,) = offline([offline.tokenizer.encode(chat.render(messages, thinking=True))],
+                      max_new_tokens=16)
+    reasoning, answer = chat.split_reasoning(want.text)
+    m = r.choices[0].message
+    assert (m.model_extra["reasoning_content"], m.content) == (reasoning, answer)
+
+
+def test_openapi_schema_is_published(server):
+    doc = httpx.get(server.url + "/openapi.json", timeout=10).json()
+    assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/generate"}
+    props = doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert {"prompt", "stop", "n", "top_k", "seed", "max_tokens"} <= set(props)
+    assert doc["components"]["schemas"]["CompletionRequest"]["additionalProperties"] is False

@@ -3,7 +3,7 @@
     python tools/bench_service.py [--config configs/serve.yaml] [--requests 8] [--max-tokens 64]
                                   [--set section.field=YAML ...]
 
-The offline side builds the engine exactly as `mbd-jax serve` does (serving.server.build_engine,
+The offline side builds the engine exactly as `mbd-jax serve` does (mbd_jax.serving.server.build_engine,
 in this process) and times `Engine.generate` on one request at a time. The service side starts
 `mbd-jax serve --config CONFIG` on loopback and sends the same requests one after another as
 streaming `/v1/completions` (latency: request sent to `[DONE]`). Requests alternate between the
@@ -60,7 +60,7 @@ def main() -> int:
     from load_test import start_server, with_overrides
 
     from mbd_jax.config import load_serve_config
-    from serving.server import build_engine
+    from mbd_jax.serving.server import build_engine
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", type=pathlib.Path, default=ROOT / "configs" / "serve.yaml")

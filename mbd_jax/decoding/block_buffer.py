@@ -48,6 +48,7 @@ class RowParams:
     edit_threshold: jax.Array
     max_block_steps: jax.Array  # edit: block_size + max_post_edit_steps
     temperature: jax.Array
+    top_k: jax.Array  # 0: no limit
     top_p: jax.Array
     seed: jax.Array
 

@@ -53,8 +53,8 @@ def decode_step(params: Any, state: DecodeState, kv: KVCache, *, apply_fn: Apply
     logits, kv = apply_fn({"params": params}, win, positions, kv, write_offset, visible)
 
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(p.seed, state.nfe)
-    token, confidence, greedy = policy.predict(logits, cfg.mask_token_id, p.temperature, p.top_p,
-                                               keys)
+    token, confidence, greedy = policy.predict(logits, cfg.mask_token_id, p.temperature, p.top_k,
+                                               p.top_p, keys)
     slot = jnp.arange(w) // blk
     active = (slot[None] >= state.n_to_cache[:, None]) & (slot[None] < state.n_valid[:, None])
     active &= ~state.done[:, None]

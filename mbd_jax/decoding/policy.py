@@ -18,21 +18,23 @@ POLICY_FACTOR = 2
 POLICY_IDS = {"threshold": POLICY_THRESHOLD, "fixed_steps": POLICY_FIXED_STEPS, "factor": POLICY_FACTOR}
 
 
-def _top_p_filter(logits: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Keeps the smallest set of tokens whose probability reaches top_p. logits: [B, W, V]."""
+def _truncate(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Keeps the smallest set of tokens whose probability reaches top_p, and at most top_k of
+    them (top_k 0: no limit). logits: [B, W, V]; top_k, top_p: [B]."""
     sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
     n_keep = jnp.maximum(jnp.sum(before < top_p[:, None, None], axis=-1), 1)  # [B, W]
+    n_keep = jnp.where(top_k[:, None] > 0, jnp.minimum(n_keep, top_k[:, None]), n_keep)
     cutoff = jnp.take_along_axis(sorted_logits, (n_keep - 1)[..., None], axis=-1)
     return jnp.where(logits >= cutoff, logits, NEG_INF)
 
 
-def predict(logits: jax.Array, mask_token_id: int, temperature: jax.Array, top_p: jax.Array,
-            keys: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def predict(logits: jax.Array, mask_token_id: int, temperature: jax.Array, top_k: jax.Array,
+            top_p: jax.Array, keys: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Proposes a token and its confidence at every window position.
 
-    logits: [B, W, V] float32; temperature, top_p: [B]; keys: [B] PRNG keys (one per row, so a
+    logits: [B, W, V] float32; temperature, top_k, top_p: [B]; keys: [B] PRNG keys (one per row, so a
     row's samples do not depend on its batch neighbours). Returns (token [B, W], confidence [B, W]
     = softmax probability of that token, mask excluded; greedy [B, W] argmax).
     """
@@ -42,7 +44,7 @@ def predict(logits: jax.Array, mask_token_id: int, temperature: jax.Array, top_p
 
     def sample():
         scaled = logits / jnp.maximum(temperature, 1e-6)[:, None, None]
-        scaled = _top_p_filter(scaled, top_p)
+        scaled = _truncate(scaled, top_k, top_p)
         drawn = jax.vmap(lambda k, lg: jax.random.categorical(k, lg, axis=-1))(keys, scaled)
         return jnp.where((temperature > 0)[:, None], drawn.astype(jnp.int32), greedy)
 

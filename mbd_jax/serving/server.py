@@ -32,10 +32,10 @@ from mbd_jax.config import ServeConfig
 from mbd_jax.engine import Engine
 from mbd_jax.errors import UserError
 from mbd_jax.parallel import multihost
-from serving.app import Service, build_apps
-from serving.connections import connection_budget, guarded_protocol, quiet_repeats
-from serving.metrics import Metrics
-from serving.scheduler import Scheduler
+from mbd_jax.serving.app import Service, build_apps
+from mbd_jax.serving.connections import connection_budget, guarded_protocol, quiet_repeats
+from mbd_jax.serving.metrics import Metrics
+from mbd_jax.serving.scheduler import Scheduler
 
 log = logging.getLogger("mbd_jax.serving")
 

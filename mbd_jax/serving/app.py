@@ -30,19 +30,19 @@ from starlette.routing import Route
 from mbd_jax import chat
 from mbd_jax.config import DecodeConfig, ServeConfig, from_dict
 from mbd_jax.errors import UserError
-from serving.body import BodyError, parse_object
-from serving.scheduler import Draining, EngineDown, QueueFull, Request, Scheduler
+from mbd_jax.stop_strings import StopStrings
+from mbd_jax.serving import protocol
+from mbd_jax.serving.body import BodyError, parse_object
+from mbd_jax.serving.scheduler import Draining, EngineDown, QueueFull, Request, Scheduler
 
 log = logging.getLogger("mbd_jax.serving")
 
-# OpenAI fields we accept only at their default (anything else is refused, not silently ignored).
-_DEFAULT_ONLY = {"n": 1, "frequency_penalty": 0, "presence_penalty": 0, "logprobs": None,
-                 "top_logprobs": None, "echo": False, "best_of": 1, "stop": None, "suffix": None,
-                 "logit_bias": None, "response_format": None}
-_STRING_FIELDS = ("model", "user")  # accepted, must be strings
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # what an X-Request-Id may echo back
-_COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stream",
-           "stream_options", "user", "decoding", "thinking", *_DEFAULT_ONLY}
+OPENAPI = protocol.openapi("mbd-jax", "0.1.0")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _shown(text: str, limit: int = 64) -> str:
@@ -184,80 +184,107 @@ class Service:
             raise HTTPError(400, str(e), param=e.param) from None
 
     # ------------------------------------------------------------ parameters
-    def decode_config(self, body: dict, allowed: set[str]) -> tuple[DecodeConfig, bool]:
-        """The request's DecodeConfig (server defaults + overrides) and its thinking flag."""
-        for key, value in body.items():
-            if key not in allowed:
-                shown = _shown(key)
-                raise HTTPError(400, f"unknown field '{shown}'; allowed: {', '.join(sorted(allowed))}",
-                                param=shown)
-            if key in _DEFAULT_ONLY and value != _DEFAULT_ONLY[key] and not (
-                    key == "logprobs" and value is False):
-                raise HTTPError(400, f"field '{key}' is not supported (only {_DEFAULT_ONLY[key]!r})",
-                                param=key)
-            if key in _STRING_FIELDS and value is not None and not isinstance(value, str):
-                raise HTTPError(400, f"field '{key}' must be a string", param=key)
-        model = body.get("model")
-        if model is not None and model != self.model_name:
-            raise HTTPError(404, f"model '{_shown(model)}' does not exist; this server serves "
+    def parse(self, model: type, body: dict, request: HTTPRequest) -> Any:
+        """The body as a typed request (protocol.py): 400 naming the field otherwise; 404 for a
+        model this server does not serve. Harmless fields that were set are logged."""
+        try:
+            req = protocol.parse(model, body)
+        except protocol.RequestError as e:
+            raise HTTPError(400, e.message, param=e.param) from None
+        name = getattr(req, "model", None)
+        if name is not None and name != self.model_name:
+            raise HTTPError(404, f"model '{_shown(name)}' does not exist; this server serves "
                                  f"'{self.model_name}' (GET /v1/models)", param="model",
                             kind="not_found_error")
+        ignored = protocol.ignored(req)
+        if ignored:
+            log.warning("request %s: ignoring %s (no effect on this server)",
+                        getattr(request.state, "rid", "-"), ", ".join(ignored))
+        return req
+
+    def thinking(self, req: Any) -> bool:
+        """`thinking`, else chat_template_kwargs.enable_thinking, else the server default."""
+        kwargs = getattr(req, "chat_template_kwargs", None)
+        for value in (req.thinking, kwargs and kwargs.enable_thinking):
+            if value is not None:
+                return value
+        return self.cfg.generation.thinking_mode
+
+    def decode_configs(self, req: Any, thinking: bool, count: int,
+                       max_field: str) -> tuple[list[DecodeConfig], bool]:
+        """`count` DecodeConfigs (server defaults + the request's settings), one per choice, and
+        whether the request set its token budget. Choice j of a seeded request uses seed + j;
+        an unseeded request gets fresh randomness per choice."""
         gen = self.cfg.generation
-        thinking = body.get("thinking", gen.thinking_mode)
-        if not isinstance(thinking, bool):
-            raise HTTPError(400, "field 'thinking' must be true or false", param="thinking")
         base = dataclasses.asdict(self.cfg.decoding)
         base["voting"] = self.cfg.decoding.voting and dataclasses.asdict(self.cfg.decoding.voting)
         if gen.diffusion_steps:
             base.update(policy="fixed_steps", steps_per_block=gen.diffusion_steps)
         limit = gen.thinking_max_new_tokens if thinking else gen.max_new_tokens_limit
         base["max_new_tokens"] = min(gen.max_new_tokens, limit)
-        decoding = body.get("decoding", {})
-        if decoding is None:
-            decoding = {}
-        if not isinstance(decoding, dict):
-            raise HTTPError(400, "field 'decoding' must be an object", param="decoding")
-        overrides = dict(decoding)
-        for field, key in (("max_new_tokens", "max_tokens"), ("max_new_tokens", "max_completion_tokens"),
-                           ("max_new_tokens", "max_new_tokens"), ("temperature", "temperature"),
-                           ("top_p", "top_p"), ("seed", "seed")):
-            if body.get(key) is not None:
-                overrides[field] = body[key]
+        overrides = dict(req.decoding or {})
+        budget = getattr(req, max_field)
+        if max_field == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
+            max_field, budget = "max_completion_tokens", req.max_completion_tokens
+        if budget is not None:
+            overrides["max_new_tokens"] = budget
+        elif "max_new_tokens" in overrides:
+            max_field = "decoding.max_new_tokens"
         requested = overrides.get("max_new_tokens")
-        if isinstance(requested, int) and not isinstance(requested, bool) and requested > limit:
-            raise HTTPError(400, f"max_tokens must be at most {limit} on this server"
-                                 + (" for thinking requests" if thinking else ""), param="max_tokens")
-        if "temperature" in overrides and isinstance(overrides["temperature"], (int, float)) \
-                and overrides["temperature"] > 2:
-            raise HTTPError(400, "field 'temperature' must be in [0, 2]", param="temperature")
+        if _is_int(requested) and requested > limit:
+            raise HTTPError(400, f"{max_field} must be at most {limit} on this server"
+                                 + (" for thinking requests" if thinking else ""), param=max_field)
+        for name in ("temperature", "top_p"):
+            if getattr(req, name) is not None:
+                overrides[name] = getattr(req, name)
+        if req.top_k is not None:
+            overrides["top_k"] = max(req.top_k, 0)  # -1 and 0 both mean no limit
         nfe = overrides.get("max_nfe")
-        if isinstance(nfe, int) and not isinstance(nfe, bool) and nfe > gen.max_nfe_limit:
+        if _is_int(nfe) and nfe > gen.max_nfe_limit:
             raise HTTPError(400, f"field 'max_nfe' must be at most {gen.max_nfe_limit} on this "
-                                 "server", param="max_nfe")
-        if overrides.get("seed") is None:  # no seed: fresh randomness; a given seed replays
-            overrides["seed"] = secrets.randbelow(2**31)
+                                 "server", param="decoding.max_nfe")
+        if req.seed is not None:
+            overrides["seed"] = req.seed % 2**31
+        seeded = overrides.get("seed") is not None
+        if not seeded:
+            overrides["seed"] = 0  # replaced per choice below
         base.update(overrides)
         try:
             d = from_dict(DecodeConfig, base, where="decoding")
             self.scheduler.engine.check_decode(d)
         except UserError as e:
-            raise HTTPError(400, str(e), param=getattr(e, "field", None) or "decoding") from None
-        return d, thinking
+            field = getattr(e, "field", None)
+            raise HTTPError(400, str(e), param=f"decoding.{field}" if field else "decoding") from None
+        seeds = ([(d.seed + j) % 2**31 for j in range(count)] if seeded
+                 else [secrets.randbelow(2**31) for _ in range(count)])
+        return [dataclasses.replace(d, seed=s) for s in seeds], budget is not None
 
-    def encode(self, text: Any, param: str) -> list[int]:
-        if not isinstance(text, str):
-            raise HTTPError(400, f"field '{param}' must be a string", param=param)
-        if not text:
-            raise HTTPError(400, f"field '{param}' is empty; give some text", param=param)
-        ids = self.scheduler.engine.tokenizer.encode(text)
+    def encode(self, prompt: str | list[int], param: str) -> list[int]:
+        """Prompt text or token ids -> checked token ids."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise HTTPError(400, f"field '{param}' is empty; give some text", param=param)
+            ids = self.scheduler.engine.tokenizer.encode(prompt)
+        else:
+            ids = prompt
         try:
             self.scheduler.engine.check_prompt(ids, where=param)
         except UserError as e:
             raise HTTPError(400, str(e), param=param) from None
         return ids
 
+    def check_room(self, ids: list[int], decode: DecodeConfig, param: str, budget_param: str) -> None:
+        """A prompt plus an explicit token budget must fit the context (an implicit one is cut)."""
+        context = self.scheduler.engine.cfg.max_seq_len
+        if len(ids) + decode.max_new_tokens > context:
+            raise HTTPError(400, f"{param} has {len(ids)} tokens and {budget_param} is "
+                                 f"{decode.max_new_tokens}: together {len(ids) + decode.max_new_tokens}"
+                                 f", more than the model's context of {context} tokens",
+                            param=budget_param)
+
     # ------------------------------------------------------------ running requests
-    async def start(self, prompts: list[list[int]], decode: DecodeConfig, thinking: bool) -> list[Request]:
+    def available(self) -> None:
+        """503 while the model loads or after the engine failed."""
         if self.scheduler.error is not None:
             self.metrics.rejected.labels("engine_down").inc()
             raise HTTPError(503, "the engine has failed and the server is restarting",
@@ -266,9 +293,15 @@ class Service:
             self.metrics.rejected.labels("loading").inc()
             raise HTTPError(503, "the model is still loading; retry when /ready is 200",
                             kind="unavailable", headers={"Retry-After": "5"})
+
+    async def start(self, prompts: list[list[int]], decodes: list[DecodeConfig], thinking: bool,
+                    stop: list[str] | None = None) -> list[Request]:
+        """Queues one request per (prompt, decode), all or none."""
+        self.available()
         loop = asyncio.get_running_loop()
-        reqs = [Request(id=f"req-{uuid.uuid4().hex[:16]}", prompt=p, decode=decode, loop=loop,
-                        thinking=thinking) for p in prompts]
+        reqs = [Request(id=f"req-{uuid.uuid4().hex[:16]}", prompt=p, decode=d, loop=loop,
+                        thinking=thinking, stops=StopStrings(stop) if stop else None)
+                for p, d in zip(prompts, decodes, strict=True)]
         try:
             self.scheduler.submit(reqs)
         except QueueFull:
@@ -327,10 +360,18 @@ class ClientGone(Exception):
     """The client disconnected before its response was ready."""
 
 
-def usage(result) -> dict:
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.token_ids),
-            "total_tokens": result.prompt_tokens + len(result.token_ids), "nfe": result.nfe,
-            "tokens_per_forward": round(result.tpf, 4)}
+def usage(reqs: list[Request], results: list, prompt_of: list[int]) -> dict:
+    """OpenAI usage over all choices: each distinct prompt counted once (prompt_of[i] = the
+    prompt index of choice i), plus mbd-jax's decode forwards and tokens per forward."""
+    first = {p: i for i, p in reversed(list(enumerate(prompt_of)))}  # one choice per prompt
+    prompt = sum(results[i].prompt_tokens for i in first.values())
+    cached = sum(reqs[i].cached_tokens for i in first.values())
+    completion = sum(len(r.token_ids) for r in results)
+    nfe = sum(r.nfe for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}, "nfe": nfe,
+            "tokens_per_forward": round(sum(r.tokens_unmasked for r in results) / max(nfe, 1), 4)}
 
 
 def finish_reason(result) -> str:
@@ -356,7 +397,7 @@ def build_apps(svc: Service) -> tuple[Starlette, Starlette]:
         def wrap(handler):
             async def endpoint(request: HTTPRequest) -> Response:
                 t0 = time.perf_counter()
-                rid = request_id(request)
+                rid = request.state.rid = request_id(request)
                 try:
                     response = await handler(request)
                 except HTTPError as e:
@@ -378,132 +419,192 @@ def build_apps(svc: Service) -> tuple[Starlette, Starlette]:
 
     async def guarded(request: HTTPRequest) -> dict:
         caller = svc.authorize(request)
+        svc.available()  # a request refused while loading spends no rate-limit token
         svc.limit_rate(caller)
         return await svc.read_json(request)
 
     @route("/v1/completions", ["POST"], "completions")
     async def completions(request):
-        body = await guarded(request)
-        decode, thinking = svc.decode_config(body, _COMMON | {"prompt"})
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        ids = svc.encode(prompt, "prompt")
-        return await respond(request, body, ids, decode, thinking, chat_format=False)
+        req = svc.parse(protocol.CompletionRequest, await guarded(request), request)
+        texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        prompts = [svc.encode(p, "prompt" if len(texts) == 1 else f"prompt[{i}]")
+                   for i, p in enumerate(texts)]
+        return await respond(request, req, prompts, chat_format=False)
 
     @route("/v1/chat/completions", ["POST"], "chat_completions")
     async def chat_completions(request):
-        body = await guarded(request)
-        decode, thinking = svc.decode_config(body, _COMMON | {"messages"})
+        req = svc.parse(protocol.ChatCompletionRequest, await guarded(request), request)
+        messages = [{"role": m.role, "content": m.content} for m in req.messages]
         try:
-            text = chat.render(body.get("messages"), thinking,
-                               svc.scheduler.engine.cfg.chat_template)
+            text = chat.render(messages, svc.thinking(req), svc.scheduler.engine.cfg.chat_template)
         except UserError as e:
             raise HTTPError(400, str(e), param="messages") from None
-        return await respond(request, body, svc.encode(text, "messages"), decode, thinking,
-                             chat_format=True)
+        return await respond(request, req, [svc.encode(text, "messages")], chat_format=True)
 
-    def stream_settings(body: dict) -> tuple[bool, bool]:
-        """(stream, include_usage), checked before anything starts."""
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise HTTPError(400, "field 'stream' must be true or false", param="stream")
-        options = body.get("stream_options")
-        if options is None:
-            options = {}
-        if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise HTTPError(400, "field 'stream_options' must be an object with at most "
-                                 "'include_usage'", param="stream_options")
-        include_usage = options.get("include_usage", False)
-        if not isinstance(include_usage, bool):
-            raise HTTPError(400, "field 'stream_options.include_usage' must be true or false",
-                            param="stream_options.include_usage")
-        return stream, include_usage
-
-    async def respond(request, body, ids, decode, thinking, chat_format: bool) -> Response:
-        stream, include_usage = stream_settings(body)
-        (req,) = await svc.start([ids], decode, thinking)
+    async def respond(request, req, prompts: list[list[int]], chat_format: bool) -> Response:
+        """Runs req.n choices per prompt (choice index = prompt * n + j) and answers in the
+        OpenAI shape, streamed or not."""
+        thinking = svc.thinking(req)
+        n = req.n
+        decodes, explicit = svc.decode_configs(req, thinking, len(prompts) * n, "max_tokens")
+        if explicit:
+            budget = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) \
+                else "max_tokens"
+            for i, ids in enumerate(prompts):
+                svc.check_room(ids, decodes[0], "messages" if chat_format else
+                               ("prompt" if len(prompts) == 1 else f"prompt[{i}]"), budget)
+        if len(prompts) * n > svc.cfg.server.max_segments:
+            raise HTTPError(400, f"{len(prompts)} prompts x n={n} is {len(prompts) * n} choices; "
+                                 f"the limit is {svc.cfg.server.max_segments}", param="n")
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        prompt_of = [i // n for i in range(len(prompts) * n)]
+        reqs = await svc.start([prompts[p] for p in prompt_of], decodes, thinking, req.stop)
         created = int(time.time())
         kind = "chat.completion" if chat_format else "text_completion"
-        if not stream:
-            result = await unless_gone(request, [req], svc.collect(req))
-            choice = {"index": 0, "finish_reason": finish_reason(result), **voting_info(result)}
-            if chat_format:
-                choice["message"] = {"role": "assistant", "content": result.text}
-            else:
-                choice.update(text=result.text, logprobs=None)
-            return JSONResponse({"id": req.id, "object": kind, "created": created,
-                                 "model": svc.model_name, "choices": [choice],
-                                 "usage": usage(result)})
+        split = chat_format and thinking  # reasoning_content apart from the answer
+
+        if not req.stream:
+            results = await unless_gone(request, reqs,
+                                        asyncio.gather(*(svc.collect(r) for r in reqs)))
+            choices = []
+            for i, result in enumerate(results):
+                choice = {"index": i, "finish_reason": finish_reason(result), **voting_info(result)}
+                if chat_format:
+                    message = {"role": "assistant", "content": result.text}
+                    if split:
+                        message["reasoning_content"], message["content"] = \
+                            chat.split_reasoning(result.text)
+                    choice["message"] = message
+                else:
+                    choice.update(text=result.text, logprobs=None)
+                choices.append(choice)
+            return JSONResponse({"id": reqs[0].id, "object": kind, "created": created,
+                                 "model": svc.model_name, "choices": choices,
+                                 "usage": usage(reqs, results, prompt_of)})
+
+        events: asyncio.Queue = asyncio.Queue()  # (choice index, event) of every choice
+
+        async def pump(i: int, r: Request) -> None:
+            while True:
+                event = await r.events.get()
+                events.put_nowait((i, event))
+                if event[0] != "tokens":
+                    return
+
+        pumps = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(reqs)]
+
+        def stop_all() -> None:
+            for task in pumps:
+                task.cancel()
+            for r in reqs:  # a client that went away frees its rows at the next step
+                r.cancelled = True
 
         # The stream opens with the first committed block: a request refused while it waited
         # (queue timeout, shutdown, engine failure) gets a real status code, not an in-band error.
-        first = await unless_gone(request, [req], req.events.get())
-        if first[0] == "error":
-            req.cancelled = True
-            raise engine_error(first[1], first[2])
+        try:
+            first = await unless_gone(request, reqs, events.get())
+        except BaseException:
+            stop_all()
+            raise
+        if first[1][0] == "error":
+            stop_all()
+            raise engine_error(first[1][1], first[1][2])
 
         def sse(choices: list[dict], **extra) -> str:
-            obj = {"id": req.id, "object": kind + ".chunk" if chat_format else kind,
+            obj = {"id": reqs[0].id, "object": kind + ".chunk" if chat_format else kind,
                    "created": created, "model": svc.model_name, "choices": choices, **extra}
             return f"data: {json.dumps(obj)}\n\n"
 
-        def chunk(delta_text: str | None, reason: str | None, extra: dict | None = None) -> str:
+        reasoning = [chat.ReasoningStream() for _ in reqs] if split else None
+
+        def chunk(i: int, text: str | None, reason: str | None, extra: dict | None = None) -> str:
             if chat_format:
-                delta = {} if delta_text is None else {"content": delta_text}
-                choice = {"index": 0, "delta": delta, "finish_reason": reason}
+                delta = {}
+                if text is not None and reasoning is not None:
+                    thought, answer = reasoning[i].push(text)
+                    if reason is not None:
+                        thought += reasoning[i].finish()[0]
+                    delta = {k: v for k, v in (("reasoning_content", thought),
+                                               ("content", answer)) if v}
+                elif text is not None:
+                    delta = {"content": text}
+                choice = {"index": i, "delta": delta, "finish_reason": reason}
             else:
-                choice = {"index": 0, "text": delta_text or "", "finish_reason": reason,
-                          "logprobs": None}
+                choice = {"index": i, "text": text or "", "finish_reason": reason, "logprobs": None}
             return sse([{**choice, **(extra or {})}])
 
-        async def events():
+        async def stream():
+            results: list = [None] * len(reqs)
             try:
                 if chat_format:  # OpenAI streams open with the assistant role
-                    yield sse([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                "finish_reason": None}])
-                event = first
+                    for i in range(len(reqs)):
+                        yield sse([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                    "finish_reason": None}])
+                i, event = first
                 while True:
                     if event[0] == "tokens":
-                        yield chunk(event[2], None)
+                        if event[2] or not chat_format:
+                            yield chunk(i, event[2], None)
                     elif event[0] == "done":
-                        result = event[1]
-                        yield chunk(None if chat_format else "", finish_reason(result), voting_info(result))
-                        if include_usage:
-                            yield sse([], usage=usage(result))
-                        break
+                        results[i] = event[1]
+                        yield chunk(i, "" if chat_format and split else
+                                    (None if chat_format else ""),
+                                    finish_reason(event[1]), voting_info(event[1]))
+                        if all(r is not None for r in results):
+                            if include_usage:
+                                yield sse([], usage=usage(reqs, results, prompt_of))
+                            break
                     else:  # after the stream started: a typed error event
                         e = engine_error(event[1], event[2])
                         yield f"data: {json.dumps({'error': {'message': e.message, 'type': e.kind, 'code': e.status}})}\n\n"
                         break
-                    event = await req.events.get()
+                    i, event = await events.get()
                 yield "data: [DONE]\n\n"
             finally:
-                req.cancelled = True  # a client that went away frees its row at the next step
+                stop_all()
 
-        return StreamingResponse(events(), media_type="text/event-stream",
+        return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
 
     @route("/generate", ["POST"], "generate")
     async def generate(request):
-        body = await guarded(request)
-        segments = body.get("segments")
-        if not isinstance(segments, list) or not segments:
-            raise HTTPError(400, "field 'segments' must be a non-empty list of strings", param="segments")
-        if len(segments) > svc.cfg.server.max_segments:
-            raise HTTPError(400, f"{len(segments)} segments; the limit is "
+        """Segments decoded together. A segment that fails (a queue timeout, say) gets its own
+        error entry; the others keep their results. Only when every segment failed is the
+        response an error."""
+        req = svc.parse(protocol.GenerateRequest, await guarded(request), request)
+        if len(req.segments) > svc.cfg.server.max_segments:
+            raise HTTPError(400, f"{len(req.segments)} segments; the limit is "
                                  f"{svc.cfg.server.max_segments}", param="segments")
-        rest = {k: v for k, v in body.items() if k != "segments"}
-        decode, thinking = svc.decode_config(rest, {"max_new_tokens", "temperature", "top_p", "seed",
-                                                    "decoding", "thinking"})
-        ids = [svc.encode(s, f"segments[{i}]") for i, s in enumerate(segments)]
-        reqs = await svc.start(ids, decode, thinking)  # all segments batched together
-        results = await unless_gone(request, reqs,
-                                    asyncio.gather(*(svc.collect(r) for r in reqs)))
-        return JSONResponse({"output": [r.text for r in results], "segments": [
-            {"tokens": len(r.token_ids), "nfe": r.nfe, "tpf": round(r.tpf, 4),
-             "bubble_forwards": r.bubble_forwards, "finish_reason": r.finish_reason,
-             **voting_info(r)} for r in results]})
+        thinking = svc.thinking(req)
+        decodes, explicit = svc.decode_configs(req, thinking, len(req.segments), "max_new_tokens")
+        ids = [svc.encode(s, f"segments[{i}]") for i, s in enumerate(req.segments)]
+        if explicit:
+            for i, p in enumerate(ids):
+                svc.check_room(p, decodes[0], f"segments[{i}]", "max_new_tokens")
+        reqs = await svc.start(ids, decodes, thinking, req.stop)  # all segments batched together
+        results = await unless_gone(request, reqs, asyncio.gather(
+            *(svc.collect(r) for r in reqs), return_exceptions=True))
+        failed = [r for r in results if isinstance(r, BaseException)]
+        for r in failed:
+            if not isinstance(r, HTTPError):
+                raise r
+        if len(failed) == len(results):
+            raise failed[0]
+
+        def segment(r) -> dict:
+            if isinstance(r, HTTPError):
+                return {"error": {"message": r.message, "type": r.kind, "code": r.status}}
+            return {"tokens": len(r.token_ids), "nfe": r.nfe, "tpf": round(r.tpf, 4),
+                    "bubble_forwards": r.bubble_forwards, "finish_reason": r.finish_reason,
+                    **voting_info(r)}
+
+        return JSONResponse({"output": [None if isinstance(r, HTTPError) else r.text
+                                        for r in results],
+                             "segments": [segment(r) for r in results]})
+
+    @route("/openapi.json", ["GET"], "openapi")
+    async def openapi_schema(request):
+        return JSONResponse(OPENAPI)
 
     def model_card() -> dict:
         return {"id": svc.model_name, "object": "model", "created": 0, "owned_by": "mbd-jax",
@@ -542,7 +643,7 @@ def build_apps(svc: Service) -> tuple[Starlette, Starlette]:
 
     handlers = {StarletteHTTPException: http_exception}
     data = Starlette(routes=[completions, chat_completions, generate, models, model, health,
-                             ready],
+                             ready, openapi_schema],
                      exception_handlers=handlers)
 
     # ------------------------------------------------------------ admin

@@ -29,6 +29,7 @@ import jax
 from mbd_jax.config import DecodeConfig, ServeConfig
 from mbd_jax.detokenizer import IncrementalDetokenizer
 from mbd_jax.engine import Engine, GenerationResult
+from mbd_jax.stop_strings import StopStrings
 
 log = logging.getLogger("mbd_jax.serving")
 
@@ -65,6 +66,9 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None  # the streamed text (engine thread)
     prefix: Any = None  # the prefix-cache hit prefetched while it waited (engine.PrefixHit)
     prefetched: bool = False
+    stops: StopStrings | None = None  # stop strings: the row ends at the first one
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    released: list[str] = dataclasses.field(default_factory=list)  # text sent (with stop strings)
 
     def emit(self, *event: Any) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -194,7 +198,9 @@ class Scheduler:
             return state, admission, False
         self._touched, self._in_decode = set(self._rows), True  # one program runs every row
         state = self.engine.decode_call(state, self.cfg.server.steps_per_call)
-        self._publish(self._fetch(state))
+        stopped = self._publish(self._fetch(state))
+        if stopped:  # a stop string ended these rows early: free them at the next step
+            state = self.engine.cancel(state, stopped)
         return state, admission, True
 
     def _recover(self, state, admission):
@@ -302,8 +308,12 @@ class Scheduler:
         self.metrics.busy_rows.set(len(self._rows))
         self._prefilling = set(picked)
         self._touched = set(picked)  # a failure from here on fails these requests
-        return self.engine.begin_admit({row: (r.prompt, r.decode) for row, r in picked.items()},
-                                       prefetched={row: r.prefix for row, r in picked.items()})
+        admission = self.engine.begin_admit(
+            {row: (r.prompt, r.decode) for row, r in picked.items()},
+            prefetched={row: r.prefix for row, r in picked.items()})
+        for row, r in picked.items():
+            r.cached_tokens = int(admission.start[row])
+        return admission
 
     def _fetch(self, state):
         """The state on the host, without the voting trajectories ([B, steps, len]: large) unless
@@ -314,12 +324,14 @@ class Scheduler:
             host = host.replace(trajectory=jax.device_get(state.trajectory))
         return host
 
-    def _publish(self, host) -> None:
-        """Streams newly committed blocks; finishes done rows."""
+    def _publish(self, host) -> list[int]:
+        """Streams newly committed blocks; finishes done rows. Returns the rows a stop string
+        ended (still running on the device: the caller cancels them)."""
         blk = self.engine.cfg.block_size
         tok = self.engine.tokenizer
         now = time.monotonic()
         used = 0
+        stopped = []
         for row, r in list(self._rows.items()):
             if row in self._prefilling:  # not merged yet: the device state is the old occupant's
                 continue
@@ -335,26 +347,43 @@ class Scheduler:
             if tok is not None:
                 r.detokenizer = r.detokenizer or IncrementalDetokenizer(tok)
                 text = r.detokenizer.push(new) + (r.detokenizer.finish() if done else "")
+            if r.stops is not None:
+                text = r.stops.push(text)
+                if r.stops.stopped:
+                    stopped.append(row)
+                elif done:
+                    text += r.stops.finish()
+                r.released.append(text)
             if new or text:
                 if r.first_block is None:
                     r.first_block = now
                     self.metrics.first_block.observe(now - r.arrived)
                 r.emit("tokens", new, text)
                 r.sent_tokens += len(new)
-            if done:
-                self._finish(r, host, row, now)
+            if done or row in stopped:
+                self._finish(r, host, row, now, by_stop=row in stopped)
                 with self._lock:
                     del self._rows[row]
         self.metrics.busy_rows.set(len(self._rows))
         self.metrics.kv_usage.set(used / (self.engine.batch_size * self.engine.capacity))
+        return stopped
 
-    def _finish(self, r: Request, host, row: int, now: float) -> None:
+    def _finish(self, r: Request, host, row: int, now: float, by_stop: bool = False) -> None:
         """Builds and sends a finished row's result; with voting (user patterns, one decode per
-        recorded step) on the voting thread, so the engine thread never waits on it."""
+        recorded step) on the voting thread, so the engine thread never waits on it. A row ended
+        by a stop string returns the tokens streamed so far and the text before the stop string
+        (no vote: its trajectory did not finish)."""
+        p0 = int(host.prompt_len[row])
+        sent = host.canvas[row, p0: p0 + r.sent_tokens].tolist() if by_stop else None
+
         def finish() -> None:
             try:
-                result: GenerationResult = self.engine.result_of(host, row, now - r.arrived,
-                                                                 r.decode)
+                result: GenerationResult = self.engine.result_of(
+                    host, row, now - r.arrived, None if by_stop else r.decode)
+                if by_stop:
+                    result = dataclasses.replace(result, token_ids=sent, finish_reason="stop")
+                if r.stops is not None:
+                    result.text = "".join(r.released)
             except Exception:
                 log.exception("building the result of %s failed", r.id)
                 r.emit("error", 500, "building this request's result failed; see the server log")
@@ -367,7 +396,7 @@ class Scheduler:
                 self.metrics.empty.inc()
             r.emit("done", result)
 
-        if r.decode.voting is None:
+        if r.decode.voting is None or by_stop:
             finish()
         else:
             self._voting.submit(finish)

@@ -1,0 +1,284 @@
+"""The request bodies the service accepts, as typed models (pydantic); they also publish /openapi.json.
+
+Three kinds of OpenAI field:
+- supported: they change the output and we honour them (max_tokens, temperature, top_p, top_k,
+  seed, stop, n, stream, ...);
+- harmless: they do not change the output here (store, metadata, user, ...); accepted, and the
+  ones that would matter elsewhere are named in one warning line per request (`ignored()`);
+- unsupported at anything but their neutral value (logprobs, penalties, logit_bias, tools,
+  response_format other than text, echo, best_of, suffix): any other value is a 400 naming the
+  field, because silently ignoring it would change what the client gets.
+Fields outside the schema are a 400 that lists the allowed ones (a typo must not pass silently).
+
+Validation is strict (no "5" for 5, no true for 1). `error_of` turns pydantic's first error into
+(message, param) with the public field path, e.g. messages[0].content.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import pydantic
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
+
+MAX_STOP = 16  # stop strings per request
+MAX_STOP_CHARS = 256  # characters per stop string
+MAX_N = 16  # choices per prompt
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _one_of(check, schema: dict):
+    """A field type whose validation is `check` (raising ValueError with a message that says what
+    is allowed) and whose published schema is `schema`."""
+    return Annotated[Any, BeforeValidator(check), WithJsonSchema(schema)]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_prompt(v: Any) -> str | list[str] | list[list[int]]:
+    what = "must be a string, a list of strings, a list of token ids, or a list of token-id lists"
+    if isinstance(v, str):
+        return v
+    if not isinstance(v, list) or not v:
+        raise ValueError(what + (" (not empty)" if isinstance(v, list) else ""))
+    if all(isinstance(p, str) for p in v):
+        return v
+    if all(_is_int(t) for t in v):
+        return [v]
+    if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in v):
+        return v
+    raise ValueError(what)
+
+
+def _check_stop(v: Any) -> list[str] | None:
+    if v is None:
+        return None
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ValueError("must be a string or a list of strings")
+    if len(stops) > MAX_STOP or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+        raise ValueError(f"must hold at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters")
+    return stops
+
+
+def _check_content(v: Any) -> str:
+    """A message's content: a string, or a list of text parts (joined with newlines)."""
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                   and isinstance(p.get("text"), str) and set(p) <= {"type", "text"}
+                                   for p in v):
+        return "\n".join(p["text"] for p in v)
+    raise ValueError('must be a string or a list of text parts {"type": "text", "text": "..."} '
+                     "(images, audio and files are not supported)")
+
+
+def _neutral(*allowed: Any, what: str):
+    """A field accepted only at one of its neutral values."""
+    def check(v: Any) -> Any:
+        if any(v == a and type(v) is type(a) for a in allowed) or (v is None and None in allowed):
+            return v
+        raise ValueError(f"is not supported; only {what}")
+    return check
+
+
+Prompt = _one_of(_check_prompt, {"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+    {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+    {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+     "minItems": 1}]})
+_STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
+Stop = _one_of(_check_stop, {"anyOf": [
+    _STOP_STRING, {"type": "array", "items": _STOP_STRING, "maxItems": MAX_STOP}, {"type": "null"}]})
+Content = _one_of(_check_content, {"anyOf": [
+    {"type": "string"}, {"type": "array", "items": {
+        "type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+        "required": ["type", "text"], "additionalProperties": False}}]})
+
+
+def _unsupported(*allowed: Any, what: str):
+    neutral = [a for i, a in enumerate(allowed) if a not in allowed[:i]]  # 0 == 0.0
+    return Annotated[Any, BeforeValidator(_neutral(*allowed, what=what)),
+                     WithJsonSchema({"enum": neutral})]
+
+
+# OpenAI fields that would change the output: accepted only at their neutral values.
+NoPenalty = _unsupported(0, 0.0, None, what="0")
+NoLogitBias = _unsupported({}, None, what="{} or null")
+NoLogprobs = _unsupported(False, 0, None,
+                          what="false, 0 or null (log-probabilities are not reported yet)")
+NoTopLogprobs = _unsupported(0, None, what="0 or null")
+NoEcho = _unsupported(False, None, what="false")
+NoBestOf = _unsupported(1, None, what="1")
+NoSuffix = _unsupported(None, "", what="null")
+TextFormat = _unsupported({"type": "text"}, None, what='{"type": "text"}')
+NoTools = _unsupported([], None, what="[] or null (tool calls are not supported)")
+NoToolChoice = _unsupported("none", None, what='"none" or null')
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: accepted, usage comes with the last chunk
+
+
+class ChatTemplateKwargs(BaseModel):
+    """vLLM / SGLang's `chat_template_kwargs`: enable_thinking is honoured; other keys are passed
+    to the model's own template when it has one."""
+    model_config = ConfigDict(extra="allow", strict=True)
+    enable_thinking: bool | None = None
+
+
+# Harmless fields: accepted; named in the request's warning line when set.
+HARMLESS = ("store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+            "safety_identifier")
+
+
+class _Sampling(_Body):
+    """Fields every generation route shares."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1, le=2**30, description="-1 or 0: off")
+    seed: int | None = Field(default=None, ge=0, lt=2**64)
+    stop: Stop = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    decoding: dict[str, Any] | None = Field(
+        default=None, description="mbd-jax decoding settings (DecodeConfig fields)")
+    thinking: bool | None = Field(default=None, description="mbd-jax: thinking mode on or off")
+    # OpenAI fields that would change the output: only their neutral values (see above).
+    frequency_penalty: NoPenalty = None
+    presence_penalty: NoPenalty = None
+    logit_bias: NoLogitBias = None
+    logprobs: NoLogprobs = None
+    top_logprobs: NoTopLogprobs = None
+    # Harmless.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: Prompt
+    echo: NoEcho = None
+    best_of: NoBestOf = None
+    suffix: NoSuffix = None
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Content
+    name: str | None = None  # accepted, not rendered
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+    response_format: TextFormat = None
+    tools: NoTools = None
+    tool_choice: NoToolChoice = None
+    reasoning_effort: str | None = None  # harmless: thinking is on/off here (`thinking`)
+
+
+class GenerateRequest(_Body):
+    """mbd-jax's own batch route: several segments decoded together."""
+
+    segments: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1)
+    max_new_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1, le=2**30)
+    seed: int | None = Field(default=None, ge=0, lt=2**64)
+    stop: Stop = None
+    decoding: dict[str, Any] | None = None
+    thinking: bool | None = None
+
+
+def ignored(req: BaseModel) -> list[str]:
+    """The harmless fields the request set (for its warning line)."""
+    names = [f for f in HARMLESS if getattr(req, f, None) is not None]
+    if getattr(req, "reasoning_effort", None) is not None:
+        names.append("reasoning_effort")
+    kwargs = getattr(req, "chat_template_kwargs", None)
+    names += [f"chat_template_kwargs.{k}" for k in (kwargs.model_extra or {})] if kwargs else []
+    return names
+
+
+def _path(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not part.startswith("function-"):  # pydantic's validator frames
+            out += f".{part}" if out else part
+    return out
+
+
+def error_of(model: type[BaseModel], e: pydantic.ValidationError) -> tuple[str, str]:
+    """(message, param) for the first problem in `e`, naming the field and what is allowed."""
+    err = e.errors(include_url=False)[0]
+    param = _path(err["loc"])
+    shown = param if len(param) <= 64 else param[:64] + "..."
+    if err["type"] == "extra_forbidden":
+        fields = model.model_fields if len(err["loc"]) == 1 else None
+        allowed = f"; allowed: {', '.join(sorted(fields))}" if fields else ""
+        return f"unknown field '{shown}'{allowed}", shown
+    if err["type"] == "missing":
+        return f"field '{shown}' is required", shown
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"field '{shown}': {msg[0].lower() + msg[1:]}", shown
+
+
+def parse(model: type[BaseModel], body: dict) -> Any:
+    """`body` validated as `model`; raises ValueError(message, param)."""
+    try:
+        return model.model_validate(body)
+    except pydantic.ValidationError as e:
+        raise RequestError(*error_of(model, e)) from None
+
+
+class RequestError(ValueError):
+    def __init__(self, message: str, param: str | None):
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+def openapi(title: str, version: str) -> dict:
+    """The OpenAPI 3.1 document of the generation routes."""
+    routes = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+              "/generate": GenerateRequest}
+    schemas: dict[str, Any] = {}
+    paths = {}
+    error = {"description": "a client error (4xx) or a server error",
+             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    for path, model in routes.items():
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+        paths[path] = {"post": {
+            "operationId": model.__name__.removesuffix("Request").lower(),
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}},
+            "responses": {"200": {"description": "the generation (JSON, or text/event-stream "
+                                                 "when stream is true)"},
+                          "4XX": error, "5XX": error}}}
+    schemas["Error"] = {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}}
+    return {"openapi": "3.1.0", "info": {"title": title, "version": version}, "paths": paths,
+            "components": {"schemas": schemas}}
