@@ -4,6 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PROMPT ?= What is 12+30?
 PORT   ?= 8000
+ADMIN_PORT ?=
 
 .PHONY: run generate test bench models clean
 
@@ -19,9 +20,10 @@ $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $@ $(VENV)/.installed
 
-## make run: install and start the HTTP service on the embedded default model (Ctrl-C stops it)
+## make run: install and start the HTTP service on the embedded default model (Ctrl-C stops it);
+## PORT=... and ADMIN_PORT=... (default 9100; 0: none) move it; MBD_<SECTION>_<FIELD>=... sets any setting
 run: $(VENV)/.installed
-	$(BIN)/mbd-jax serve --config configs/serve.yaml --port $(PORT)
+	$(BIN)/mbd-jax serve --config configs/serve.yaml --port $(PORT) $(if $(ADMIN_PORT),--admin-port $(ADMIN_PORT))
 
 ## make generate: one offline generation (a chat turn) on the default model
 generate: $(VENV)/.installed
@@ -40,8 +42,8 @@ bench: $(VENV)/.installed
 models: $(VENV)/.installed
 	$(BIN)/python tools/train_tokenizer.py --tasks arith,sort,reverse,recall --out configs/tokenizers/tasks --vocab 384
 	rm -rf runs/tiny-bd runs/tiny-mbd
-	$(BIN)/mbd-jax train --config configs/train/tiny-bd.yaml
-	$(BIN)/mbd-jax train --config configs/train/tiny-mbd.yaml
+	$(BIN)/mbd-jax train --config configs/train/tiny-bd.yaml --output models/tiny-bd --force
+	$(BIN)/mbd-jax train --config configs/train/tiny-mbd.yaml --output models/tiny-mbd --force
 
 clean:
 	rm -rf $(VENV) build *.egg-info

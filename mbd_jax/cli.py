@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -189,11 +190,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from mbd_jax.config import load_serve_config
     from mbd_jax.serving.server import load_api_keys, serve
 
-    cfg = load_serve_config(args.config, **{
+    cfg = load_serve_config(args.config, env=os.environ, **{
         "model": args.model, "server.host": args.host, "server.port": args.port,
         "server.admin_host": args.admin_host, "server.admin_port": args.admin_port,
+        "server.max_batch_size": args.max_batch_size,
+        "server.served_model_name": args.served_model_name,
         **{f"runtime.{k}": v for k, v in _runtime(args).items()}})
-    return serve(cfg, load_api_keys(args.api_key_file), mesh=multihost.mesh_from_args(args))
+    keys = load_api_keys(args.api_key_file) + (args.api_key or [])
+    return serve(cfg, keys, mesh=multihost.mesh_from_args(args))
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -214,7 +218,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     import jax
 
     mesh = multihost.mesh_from_args(args) if args.mesh or jax.process_count() > 1 else None
-    out = run_training(tcfg, progress=not args.no_progress and multihost.is_leader(), mesh=mesh)
+    out = run_training(tcfg, progress=not args.no_progress and multihost.is_leader(), mesh=mesh,
+                       force=args.force)
     if multihost.is_leader():
         print(json.dumps({"model_dir": str(out)}))
     return 0
@@ -275,14 +280,22 @@ def build_parser() -> argparse.ArgumentParser:
     multihost.add_launch_flags(g)
     g.set_defaults(func=cmd_generate)
 
-    s = sub.add_parser("serve", help="the HTTP service (OpenAI-compatible; admin port for metrics)")
+    s = sub.add_parser("serve", help="the HTTP service (OpenAI-compatible; admin port for metrics)",
+                       epilog="Every serve config field can also be set in the environment: "
+                              "MBD_<SECTION>_<FIELD>, e.g. MBD_SERVER_PORT=8001 (the command line "
+                              "wins over the environment, which wins over the file).")
     s.add_argument("--model", help="preset, YAML or model dir (default: the config's, tiny-mbd)")
     s.add_argument("--config", help="serve config YAML (configs/serve.yaml)")
     s.add_argument("--host")
     s.add_argument("--port", type=int)
     s.add_argument("--admin-host")
-    s.add_argument("--admin-port", type=int)
+    s.add_argument("--admin-port", type=int, help="metrics and profiling (0: none; /metrics then "
+                                                  "on --port)")
+    s.add_argument("--api-key", action="append", help="an accepted API key (repeatable)")
     s.add_argument("--api-key-file", help="one API key per line (also: MBD_API_KEYS=k1,k2)")
+    s.add_argument("--max-batch-size", type=int, help="rows decoded together")
+    s.add_argument("--served-model-name", help="the model id clients use (default: the model's "
+                                                "name)")
     _add_runtime_flags(s)
     multihost.add_launch_flags(s)
     s.set_defaults(func=cmd_serve)
@@ -295,7 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", required=True, help="a training config, e.g. configs/train/tiny-bd.yaml")
     t.add_argument("--steps", type=int, help="override the config's steps")
     t.add_argument("--checkpoint-dir", help="override the config's checkpoint_dir (resumes from it)")
-    t.add_argument("--output", help="override the config's output model directory")
+    t.add_argument("--output", help="the model directory to write (default: the config's output, "
+                                    "else runs/<name>-model)")
+    t.add_argument("--force", action="store_true", help="allow replacing a shipped model (models/)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     multihost.add_launch_flags(t)
     t.set_defaults(func=cmd_train)

@@ -11,6 +11,7 @@ import math
 import pathlib
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import yaml
@@ -439,7 +440,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     admin_host: str = "127.0.0.1"
-    admin_port: int = 9100
+    admin_port: int = 9100  # metrics and profiling; 0: no admin port (/metrics on `port`)
+    served_model_name: str | None = None  # the model id clients send (default: the model's name)
     max_batch_size: int = 8  # rows decoded together
     buffer_size: int = 2  # compiled N_buf: the largest MultiBD buffer a request may use
     prefill_chunk: int = 256
@@ -464,7 +466,10 @@ class ServerConfig:
     max_engine_failures: int = 3  # engine failures in a row (no call succeeding) before it exits
 
     def validate(self, where: str = "server") -> None:
-        for f in ("port", "admin_port", "max_batch_size", "buffer_size", "prefill_chunk",
+        _check(self.admin_port >= 0, where, f"field 'admin_port' must be >= 0, got {self.admin_port}")
+        _check(self.served_model_name is None or 0 < len(self.served_model_name) <= 256, where,
+               "field 'served_model_name' must be 1 to 256 characters")
+        for f in ("port", "max_batch_size", "buffer_size", "prefill_chunk",
                   "steps_per_call", "queue_size", "queue_timeout_ms", "generation_timeout_ms",
                   "max_body_bytes", "max_segments", "rate_limit_burst", "auth_failures_per_min",
                   "max_connections", "keep_alive_s", "max_engine_failures"):
@@ -519,17 +524,50 @@ class ServeConfig:
                "decoding.max_nfe must be <= generation.max_nfe_limit")
 
 
-def load_serve_config(path: str | pathlib.Path | None, **overrides: Any) -> ServeConfig:
+def serve_env_names() -> dict[str, str]:
+    """Environment variable -> serve config field: MBD_MODEL, MBD_SERVER_PORT,
+    MBD_GENERATION_MAX_NEW_TOKENS_LIMIT, ... (one per field of every section)."""
+    names = {}
+    for section, cls in typing.get_type_hints(ServeConfig).items():
+        if not dataclasses.is_dataclass(cls):
+            names[f"MBD_{section}".upper()] = section
+            continue
+        for f in dataclasses.fields(cls):
+            if f.name != "voting":  # a nested section: the YAML file's job
+                names[f"MBD_{section}_{f.name}".upper()] = f"{section}.{f.name}"
+    return names
+
+
+def _scalar(text: str) -> Any:
+    """An environment value as YAML reads it ("8" -> 8, "true" -> True), else the string."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    return value if isinstance(value, (str, int, float, bool)) or value is None else text
+
+
+def load_serve_config(path: str | pathlib.Path | None, env: Mapping[str, str] | None = None,
+                      **overrides: Any) -> ServeConfig:
+    """The YAML at `path`, then MBD_* variables from `env` (values parsed as YAML scalars), then
+    `overrides` (the command line; None values skipped)."""
     data = load_yaml(pathlib.Path(path)) if path else {}
     data = data or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections")
-    for key, value in overrides.items():  # "server.port": 8001, or "model": "tiny-mbd"
-        if value is None:
-            continue
+    names = serve_env_names()
+    from_env = {names[k]: _scalar(v) for k, v in (env or {}).items() if k in names}
+    given = {k: v for k, v in overrides.items() if v is not None}
+    for key, value in {**from_env, **given}.items():  # "server.port": 8001, or "model": ...
         section, _, field = key.partition(".")
         if field:
             data.setdefault(section, {})[field] = value
         else:
             data[section] = value
-    return from_dict(ServeConfig, data, where=str(path or "serve"))
+    try:
+        return from_dict(ServeConfig, data, where=str(path or "serve"))
+    except ConfigError as e:
+        used = sorted(k for k in (env or {}) if k in names)
+        if used:
+            raise ConfigError(f"{e} (environment settings in effect: {', '.join(used)})") from None
+        raise

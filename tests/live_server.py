@@ -26,9 +26,10 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, tmp: pathlib.Path, keys: list[str], sections: dict | None = None,
-                 args: tuple[str, ...] = (), env: dict | None = None, **server_overrides):
+                 args: tuple[str, ...] = (), env: dict | None = None, admin: bool = True,
+                 **server_overrides):
         self.tmp = tmp
-        self.port, self.admin_port = free_port(), free_port()
+        self.port, self.admin_port = free_port(), free_port() if admin else 0
         cfg = {
             "model": "tiny-random",
             "generation": {"max_new_tokens": 24, "max_new_tokens_limit": 1024},
@@ -49,7 +50,7 @@ class Server:
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
             env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})})
         self.url = f"http://127.0.0.1:{self.port}"
-        self.admin = f"http://127.0.0.1:{self.admin_port}"
+        self.admin = f"http://127.0.0.1:{self.admin_port or self.port}"  # no admin port: the data port
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, (tmp / "server.log").read_text()

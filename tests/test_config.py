@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 from mbd_jax.config import (DecodeConfig, ModelConfig, available_presets, decode_config,
+                            load_serve_config, serve_env_names,
                             from_dict, load_model_config, resolve_model_path, MODEL_PRESET_DIR)
 from mbd_jax.errors import ConfigError
 
@@ -65,3 +66,16 @@ def test_decode_config_validation():
 def test_decode_fields_are_bounded_to_what_the_device_holds(field, value, message):
     with pytest.raises(ConfigError, match=message):
         from_dict(DecodeConfig, {field: value}, "decoding")
+
+
+def test_serve_settings_from_the_environment_sit_between_the_file_and_the_command_line(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text("server:\n  port: 8001\n  max_batch_size: 4\n")
+    env = {"MBD_SERVER_PORT": "8002", "MBD_SERVER_MAX_BATCH_SIZE": "2", "MBD_MODEL": "tiny-bd",
+           "MBD_MONITORING_ENABLED": "false", "UNRELATED": "x"}
+    cfg = load_serve_config(path, env=env, **{"server.port": 8003, "server.max_batch_size": None})
+    assert (cfg.server.port, cfg.server.max_batch_size, cfg.model) == (8003, 2, "tiny-bd")
+    assert cfg.monitoring.enabled is False
+    assert "MBD_GENERATION_MAX_NEW_TOKENS_LIMIT" in serve_env_names()
+    with pytest.raises(ConfigError, match="field 'port' must be int.*MBD_SERVER_PORT"):
+        load_serve_config(path, env={"MBD_SERVER_PORT": "eighty"})

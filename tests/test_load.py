@@ -34,6 +34,6 @@ def test_32_clients_on_the_default_config(tmp_path):
     assert level["tokens_per_s"] > 0
     values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
               if line and not line.startswith("#")}
-    assert values["mbd_kv_offload_blocking_waits"] == 0
+    assert values["mbd_kv_offload_blocking_waits_total"] == 0
     assert values["mbd_prefix_cache_disk_entries"] > 0  # the disk tier was really written
     assert values["mbd_engine_failures_total"] == 0

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import pathlib
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -219,10 +222,18 @@ def test_metrics_parse_and_move(server):
     assert after[key] == before.get(key, 0) + 1
     assert after["mbd_generated_tokens_total"] >= before["mbd_generated_tokens_total"] + 8
     assert after["mbd_request_seconds_count"] == before["mbd_request_seconds_count"] + 1
-    assert after["mbd_compilations"] > 0 and after["mbd_compilations"] == before["mbd_compilations"]
+    assert after["mbd_compilations_total"] > 0 and after["mbd_compilations_total"] == before["mbd_compilations_total"]
     for name in ("mbd_queue_length", "mbd_busy_rows", "mbd_kv_buffer_usage_ratio",
-                 "mbd_tokens_per_forward_count", "mbd_first_block_seconds_count"):
+                 "mbd_tokens_per_forward_count", "mbd_first_block_seconds_count",
+                 "mbd_inter_block_seconds_count"):
         assert name in after
+    assert after["mbd_prompt_tokens_total"] == before.get("mbd_prompt_tokens_total", 0) + \
+        r.json()["usage"]["prompt_tokens"]
+    length = 'mbd_finished_requests_total{"finish_reason": "length"}'
+    assert after[length] == before.get(length, 0) + 1
+    assert not [k for k in after if "_created" in k]
+    text = httpx.get(server.admin + "/metrics", timeout=10).text
+    assert re.search(r"# TYPE mbd_compilations(_total)? counter", text)
 
 
 def test_closed_stream_frees_its_row(server):
@@ -358,12 +369,35 @@ def test_deadlines_give_504(tmp_path):
         srv.stop()
 
 
+def test_busy_port_is_one_error_line_at_once(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "mbd_jax", "serve", "--port", str(port),
+                            "--admin-port", "0"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert time.monotonic() - t0 < 5 and r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert lines == [f"error: cannot listen on 127.0.0.1:{port} (--port): Address already in use"]
+
+
 def test_generate_keeps_finished_segments_when_others_time_out(tmp_path):
     """One row, a 60 ms queue timeout: the first segment decodes 200 tokens (200+ forwards, far
     longer than 60 ms) while the others wait and time out. The answer keeps the finished
-    segment and gives each failed one its own error."""
-    srv = Server(tmp_path, [KEY], max_batch_size=1, queue_timeout_ms=60)
+    segment and gives each failed one its own error. The same server checks the deployment
+    knobs: settings from MBD_* variables, --api-key, no admin port (/metrics on the data port)
+    and --served-model-name."""
+    srv = Server(tmp_path, [KEY], max_batch_size=4, queue_timeout_ms=60, admin=False,
+                 args=("--api-key", "flag-key", "--served-model-name", "my-model"),
+                 env={"MBD_SERVER_MAX_BATCH_SIZE": "1"})
     try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="flag-key", max_retries=0)
+        assert [m.id for m in c.models.list().data] == ["my-model"]
+        assert c.completions.create(model="my-model", prompt="hi", max_tokens=2).choices
+        metrics = httpx.get(srv.url + "/metrics", timeout=10)
+        assert metrics.status_code == 200 and "mbd_busy_rows" in metrics.text
         r = httpx.post(srv.url + "/generate", headers={"Authorization": f"Bearer {KEY}"},
                        timeout=120, json={"segments": ["hi", "yo", "ok"], "max_new_tokens": 200,
                                           "decoding": {"buffer_size": 1, "policy": "fixed_steps",
@@ -374,6 +408,7 @@ def test_generate_keeps_finished_segments_when_others_time_out(tmp_path):
         assert out[1:] == [None, None]
         assert [s["error"]["code"] for s in segments[1:]] == [503, 503]
         assert "queue_timeout_ms" in segments[1]["error"]["message"]
+        # the YAML says 4 rows, the environment 1: only one segment ran, so the others timed out
     finally:
         srv.stop()
 
@@ -410,9 +445,9 @@ def test_shared_system_prompt_hits_the_prefix_cache_across_a_restart(tmp_path, o
                 got.append(r.choices[0].message.content)
             assert got == expected
             met = srv.metrics()
-            assert met["mbd_prefix_cache_hit_blocks"] >= (2 if attempt == 0 else 3) * 5
+            assert met["mbd_prefix_cache_hit_blocks_total"] >= (2 if attempt == 0 else 3) * 5
             assert met['mbd_prefix_cache_bytes{"tier": "disk"}'] > 0
-            assert met["mbd_kv_offload_blocking_waits"] == 0
+            assert met["mbd_kv_offload_blocking_waits_total"] == 0
             assert 0 < met["mbd_prefix_cache_hit_ratio"] <= 1
         finally:
             srv.stop()

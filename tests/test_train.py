@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import pathlib
 import subprocess
 import sys
@@ -129,26 +130,39 @@ def test_sharded_train_step_on_8_cpu_devices_equals_single_device():
             np.testing.assert_allclose(b, a, atol=2e-5, rtol=1e-4, err_msg=name)
 
 
-def test_train_command_writes_a_loadable_model(tmp_path):
+def test_train_command_writes_a_loadable_model_under_runs_and_spares_shipped_models(tmp_path):
+    """Without an output the model goes to runs/<name>-model; models/ stays git-clean; replacing
+    a shipped model needs --force (refused before any training)."""
+    name = f"cli-test-{os.getpid()}"
+    out = ROOT / "runs" / f"{name}-model"
     cfg_path = tmp_path / "t.yaml"
     cfg_path.write_text(textwrap.dedent(f"""
-        name: cli-test
+        name: {name}
         model: tiny-moe
-        output: {tmp_path / 'model'}
         steps: 3
         batch_size: 4
         checkpoint_dir: {tmp_path / 'ckpt'}
         checkpoint_every: 2
     """))
     env = dict(os.environ, JAX_PLATFORMS="cpu")
+    shipped = ["git", "status", "--porcelain", "--", "models"]
+    clean = subprocess.run(shipped, capture_output=True, text=True, cwd=ROOT).stdout
     r = subprocess.run([sys.executable, "-m", "mbd_jax", "train", "--config", str(cfg_path),
-                        "--no-progress"], capture_output=True, text=True, cwd=ROOT, env=env,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert json.loads(r.stdout.splitlines()[-1])["model_dir"] == str(tmp_path / "model")
-    model = load_model(str(tmp_path / "model"))
-    assert model.cfg.name == "cli-test" and model.tokenizer is not None
-    manifest = json.loads((tmp_path / "model" / "manifest.json").read_text())
+                        "--output", "models/tiny-bd"], capture_output=True, text=True, cwd=ROOT,
+                       env=env, timeout=120)
+    assert r.returncode == 2 and "--force" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    try:
+        r = subprocess.run([sys.executable, "-m", "mbd_jax", "train", "--config", str(cfg_path),
+                            "--no-progress"], capture_output=True, text=True, cwd=ROOT, env=env,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert json.loads(r.stdout.splitlines()[-1])["model_dir"] == str(out)
+        assert subprocess.run(shipped, capture_output=True, text=True, cwd=ROOT).stdout == clean
+        model = load_model(str(out))
+        manifest = json.loads((out / "manifest.json").read_text())
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    assert model.cfg.name == name and model.tokenizer is not None
     assert manifest["steps"] == 3 and "tokenizer.model" in manifest["files"]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["2", "3"]
     start = load_model("tiny-moe")

@@ -390,8 +390,8 @@ def request_id(request: HTTPRequest) -> str:
     return given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex[:16]
 
 
-def build_apps(svc: Service) -> tuple[Starlette, Starlette]:
-    """(data app, admin app)."""
+def build_apps(svc: Service, admin_port: bool = True) -> tuple[Starlette, Starlette]:
+    """(data app, admin app). Without an admin port, /metrics is served on the data app too."""
 
     def route(path: str, methods: list[str], name: str):
         def wrap(handler):
@@ -641,17 +641,17 @@ def build_apps(svc: Service) -> tuple[Starlette, Starlette]:
                             kind="unavailable")
         return JSONResponse({"status": "ready"})
 
-    handlers = {StarletteHTTPException: http_exception}
-    data = Starlette(routes=[completions, chat_completions, generate, models, model, health,
-                             ready, openapi_schema],
-                     exception_handlers=handlers)
-
     # ------------------------------------------------------------ admin
     @route("/metrics", ["GET"], "metrics")
     async def metrics(request):
         if not svc.cfg.monitoring.enabled:
             raise HTTPError(404, "monitoring is disabled")
         return Response(svc.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    handlers = {StarletteHTTPException: http_exception}
+    data = Starlette(routes=[completions, chat_completions, generate, models, model, health,
+                             ready, openapi_schema] + ([] if admin_port else [metrics]),
+                     exception_handlers=handlers)
 
     @route("/admin/profile", ["POST"], "profile")
     async def profile(request):

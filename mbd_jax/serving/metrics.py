@@ -2,16 +2,37 @@
 
 from __future__ import annotations
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from mbd_jax import compile_stats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
+class _ReadCounters(Collector):
+    """Counters whose values are read when scraped from counts kept elsewhere (the prefix store,
+    the offloader, the compile log): they only grow, so they are counters, not gauges."""
+
+    def __init__(self) -> None:
+        self.counters: list[tuple[str, str, object]] = []
+
+    def add(self, name: str, doc: str, read) -> None:
+        self.counters.append((name, doc, read))
+
+    def collect(self):
+        for name, doc, read in self.counters:
+            yield CounterMetricFamily(name, doc, value=read())
+
+
 class Metrics:
     def __init__(self, engine=None) -> None:
+        prometheus_client.disable_created_metrics()  # no *_created series
         r = self.registry = CollectorRegistry()
+        self._read = _ReadCounters()
+        r.register(self._read)
         self.requests = Counter("mbd_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=r)
         self.queue_wait = Histogram("mbd_queue_wait_seconds", "Time from arrival to a free row",
@@ -20,7 +41,14 @@ class Metrics:
                                      "committed block", buckets=LATENCY_BUCKETS, registry=r)
         self.latency = Histogram("mbd_request_seconds", "Time from arrival to the last token",
                                  buckets=LATENCY_BUCKETS, registry=r)
+        self.inter_block = Histogram("mbd_inter_block_seconds", "Time between a request's "
+                                     "successive committed blocks", buckets=LATENCY_BUCKETS,
+                                     registry=r)
         self.generated_tokens = Counter("mbd_generated_tokens", "Tokens returned", registry=r)
+        self.prompt_tokens = Counter("mbd_prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=r)
+        self.finished = Counter("mbd_finished_requests", "Finished requests by finish reason "
+                                "(stop, length, max_nfe)", ["finish_reason"], registry=r)
         self.nfe = Counter("mbd_decode_forwards", "Decode forwards spent on requests", registry=r)
         self.tpf = Histogram("mbd_tokens_per_forward", "Tokens per forward of finished requests",
                              buckets=(0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 32), registry=r)
@@ -42,8 +70,8 @@ class Metrics:
         self.connections_timed_out = Counter("mbd_connections_timed_out", "Connections closed "
                                              "for sending no request headers in header_timeout_s",
                                              registry=r)
-        self.compilations = Gauge("mbd_compilations", "XLA compilations in this process", registry=r)
-        self.compilations.set_function(compile_stats.compiles)
+        self._read.add("mbd_compilations", "XLA compilations in this process",
+                       compile_stats.compiles)
         if engine is not None and engine.prefix_store is not None:
             self._prefix_cache(engine)
 
@@ -55,32 +83,33 @@ class Metrics:
         def gauge(name: str, doc: str, fn) -> None:
             Gauge(name, doc, registry=r).set_function(fn)
 
-        gauge("mbd_prefix_cache_hit_blocks", "Prompt blocks served from the prefix cache",
-              lambda: st.hits)
-        gauge("mbd_prefix_cache_miss_blocks", "Prompt blocks looked up and not found",
-              lambda: st.misses)
+        counter = self._read.add
+        counter("mbd_prefix_cache_hit_blocks", "Prompt blocks served from the prefix cache",
+                lambda: st.hits)
+        counter("mbd_prefix_cache_miss_blocks", "Prompt blocks looked up and not found",
+                lambda: st.misses)
         gauge("mbd_prefix_cache_hit_ratio", "hit / (hit + miss) blocks",
               lambda: st.hits / max(st.hits + st.misses, 1))
         tiers = Gauge("mbd_prefix_cache_bytes", "Bytes held per tier", ["tier"], registry=r)
         tiers.labels(tier="ram").set_function(lambda: st.ram_bytes)
         tiers.labels(tier="disk").set_function(lambda: st.disk_bytes)
-        gauge("mbd_prefix_cache_evictions", "Entries evicted (RAM LRU, disk capacity or TTL)",
-              lambda: st.evictions)
-        gauge("mbd_prefix_cache_corrupt_entries", "Disk entries that failed their checksum",
-              lambda: st.corrupt)
+        counter("mbd_prefix_cache_evictions", "Entries evicted (RAM LRU, disk capacity or TTL)",
+                lambda: st.evictions)
+        counter("mbd_prefix_cache_corrupt_entries", "Disk entries that failed their checksum",
+                lambda: st.corrupt)
         gauge("mbd_kv_offload_queue_depth", "Staged KV buffers waiting for the host drain",
               lambda: off.stats.queue_depth)
-        gauge("mbd_kv_offload_blocking_waits", "Times the engine thread waited on a host copy",
-              lambda: off.stats.blocking_waits)
-        gauge("mbd_kv_offload_deferred_calls", "Decode calls that staged nothing because both "
-              "staging buffers were still draining (their blocks wait for a later call)",
-              lambda: off.stats.deferred_calls)
-        gauge("mbd_prefix_cache_disk_dropped", "Blocks not written to disk: the write queue was "
-              "full", lambda: st.disk_dropped)
+        counter("mbd_kv_offload_blocking_waits", "Times the engine thread waited on a host copy",
+                lambda: off.stats.blocking_waits)
+        counter("mbd_kv_offload_deferred_calls", "Decode calls that staged nothing because both "
+                "staging buffers were still draining (their blocks wait for a later call)",
+                lambda: off.stats.deferred_calls)
+        counter("mbd_prefix_cache_disk_dropped", "Blocks not written to disk: the write queue was "
+                "full", lambda: st.disk_dropped)
         gauge("mbd_prefix_cache_disk_entries", "Entries in the disk tier", lambda: st.disk_entries)
-        gauge("mbd_prefix_cache_seconds_saved", "Prefill time saved by hits (hit tokens x the "
-              "measured prefill seconds per token)",
-              lambda: engine.prefix_hit_tokens * engine.prefill_seconds_per_token)
+        counter("mbd_prefix_cache_seconds_saved", "Prefill time saved by hits (hit tokens x the "
+                "measured prefill seconds per token)",
+                lambda: engine.prefix_hit_tokens * engine.prefill_seconds_per_token)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

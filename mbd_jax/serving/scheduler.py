@@ -62,6 +62,7 @@ class Request:
     cancelled: bool = False  # set by the HTTP side (client went away)
     started: float | None = None
     first_block: float | None = None
+    last_block: float | None = None  # when its latest block was streamed
     sent_tokens: int = 0
     detokenizer: IncrementalDetokenizer | None = None  # the streamed text (engine thread)
     prefix: Any = None  # the prefix-cache hit prefetched while it waited (engine.PrefixHit)
@@ -358,6 +359,9 @@ class Scheduler:
                 if r.first_block is None:
                     r.first_block = now
                     self.metrics.first_block.observe(now - r.arrived)
+                else:
+                    self.metrics.inter_block.observe(now - r.last_block)
+                r.last_block = now
                 r.emit("tokens", new, text)
                 r.sent_tokens += len(new)
             if done or row in stopped:
@@ -390,6 +394,8 @@ class Scheduler:
                 return
             self.metrics.latency.observe(now - r.arrived)
             self.metrics.generated_tokens.inc(len(result.token_ids))
+            self.metrics.prompt_tokens.inc(result.prompt_tokens)
+            self.metrics.finished.labels(result.finish_reason).inc()
             self.metrics.nfe.inc(result.nfe)
             self.metrics.tpf.observe(result.tpf)
             if not result.token_ids:

@@ -22,6 +22,7 @@ import logging
 import os
 import pathlib
 import signal
+import socket
 
 import jax
 import uvicorn
@@ -95,21 +96,44 @@ def build_service(cfg: ServeConfig, api_keys: list[str], profile_dir: str = "pro
         engine = multihost.EngineLeader(engine)
     metrics = Metrics(engine)
     scheduler = Scheduler(engine, cfg, metrics)
-    return Service(cfg=cfg, scheduler=scheduler, metrics=metrics, model_name=engine.cfg.name,
+    return Service(cfg=cfg, scheduler=scheduler, metrics=metrics,
+                   model_name=cfg.server.served_model_name or engine.cfg.name,
                    api_keys=api_keys, profile_dir=pathlib.Path(profile_dir))
 
 
-async def _serve(svc: Service) -> int:
+def listen(cfg: ServeConfig) -> list[socket.socket]:
+    """The listening sockets (data port, then the admin port unless it is 0), bound before the
+    model loads: a port in use is one `error:` line at once, not a traceback after compiling."""
+    s, sockets = cfg.server, []
+    for name, host, port in (("--port", s.host, s.port), ("--admin-port", s.admin_host, s.admin_port)):
+        if port == 0:
+            continue
+        try:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(2048)
+            sock.set_inheritable(True)
+        except OSError as e:
+            for other in sockets:
+                other.close()
+            raise UserError(f"cannot listen on {host}:{port} ({name}): {e.strerror}") from None
+        sockets.append(sock)
+    return sockets
+
+
+async def _serve(svc: Service, sockets: list[socket.socket]) -> int:
     """Runs both servers until a drain or an engine failure ends them; returns the exit code."""
     s = svc.cfg.server
-    data, admin = build_apps(svc)
+    data, admin = build_apps(svc, admin_port=bool(s.admin_port))
     level = svc.cfg.monitoring.log_level
-    protocol = guarded_protocol(connection_budget(2, s.max_connections), s.header_timeout_s,
-                                svc.metrics)
-    servers = [_Server(uvicorn.Config(app, host=host, port=port, log_level=level, lifespan="off",
-                                      access_log=False, timeout_graceful_shutdown=5,
+    protocol = guarded_protocol(connection_budget(len(sockets), s.max_connections),
+                                s.header_timeout_s, svc.metrics)
+    servers = [_Server(uvicorn.Config(app, log_level=level, lifespan="off", access_log=False,
+                                      timeout_graceful_shutdown=5,
                                       timeout_keep_alive=s.keep_alive_s, http=protocol))
-               for app, host, port in ((data, s.host, s.port), (admin, s.admin_host, s.admin_port))]
+               for app in (data, admin)[: len(sockets)]]
     quiet_repeats()  # after uvicorn.Config set up its loggers
     loop = asyncio.get_running_loop()
     draining, failed = asyncio.Event(), asyncio.Event()
@@ -149,7 +173,7 @@ async def _serve(svc: Service) -> int:
 
     svc.scheduler.start()
     watchers = [asyncio.create_task(drain()), asyncio.create_task(engine_failed())]
-    await asyncio.gather(*(server.serve() for server in servers))
+    await asyncio.gather(*(server.serve(sockets=[sock]) for server, sock in zip(servers, sockets)))
     for w in watchers:
         w.cancel()
     return code
@@ -162,12 +186,14 @@ def serve(cfg: ServeConfig, api_keys: list[str], mesh: jax.sharding.Mesh | None 
     if not multihost.is_leader():  # a follower: mirror process 0's engine calls until it stops
         multihost.follow(build_engine(cfg, mesh))
         return 0
+    sockets = listen(cfg)
     if not api_keys:
-        log.warning("no API keys configured (--api-key-file or MBD_API_KEYS): the service is open")
+        log.warning("no API keys configured (--api-key, --api-key-file or MBD_API_KEYS): the "
+                    "service is open")
     svc = build_service(cfg, api_keys, mesh=mesh)
     code = EXIT_ENGINE_FAILED
     try:
-        code = asyncio.run(_serve(svc))
+        code = asyncio.run(_serve(svc, sockets))
     finally:
         svc.scheduler.stop()
         if isinstance(svc.scheduler.engine, multihost.EngineLeader):

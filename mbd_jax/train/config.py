@@ -15,7 +15,9 @@ class TrainConfig:
     name: str  # the trained model's name (written into its config.yaml)
     # Architecture: a preset / YAML (random init) or a model directory (start from its weights).
     model: str
-    output: str  # the model directory written at the end (relative paths: to the repo root)
+    output: str | None = None  # the model directory written at the end (relative paths: to the
+    # repo root); default runs/<name>-model. A shipped model (models/...) is replaced only with
+    # force (`mbd-jax train --force`).
     tasks: tuple[str, ...] = ("arith", "sort", "reverse", "recall")
     # Objective: block diffusion is MultiTF with groups of one block (g_max 1).
     objective: Literal["bd", "multitf"] = "bd"
@@ -59,6 +61,9 @@ class TrainConfig:
                "need weight_decay >= 0, clip_norm > 0, 0 < b2 < 1")
         _check(self.data_parallel == -1 or self.data_parallel >= 1, where,
                "field 'data_parallel' must be >= 1 or -1 (all devices)")
+
+    def output_dir(self) -> pathlib.Path:
+        return self.path(self.output or f"runs/{self.name}-model")
 
     def path(self, p: str) -> pathlib.Path:
         q = pathlib.Path(p)

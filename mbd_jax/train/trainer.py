@@ -28,7 +28,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mbd_jax.checkpoint import save_model, write_manifest
-from mbd_jax.config import ModelConfig
+from mbd_jax.config import SHIPPED_MODEL_DIR, ModelConfig
 from mbd_jax.errors import UserError
 from mbd_jax.model.transformer import Transformer
 from mbd_jax.parallel.mesh import make_mesh, param_shardings
@@ -212,7 +212,7 @@ class Trainer:
         writes the files; every process writes its parameter shards (call it on all)."""
         from mbd_jax.parallel import multihost
 
-        out = self.tcfg.path(str(out_dir or self.tcfg.output))
+        out = self.tcfg.path(str(out_dir)) if out_dir else self.tcfg.output_dir()
         tok_name = None if not self.cfg.tokenizer else "tokenizer" + pathlib.Path(self.cfg.tokenizer).suffix
         if multihost.is_leader():
             if out.exists():
@@ -230,10 +230,17 @@ class Trainer:
         return out
 
 
-def run_training(tcfg: TrainConfig, progress: bool = True, mesh: Mesh | None = None) -> pathlib.Path:
+def run_training(tcfg: TrainConfig, progress: bool = True, mesh: Mesh | None = None,
+                 force: bool = False) -> pathlib.Path:
     """`mbd-jax train`: load the starting model, resume if a checkpoint exists, fit, export.
-    `mesh` (default: tcfg.data_parallel devices on `data`)."""
+    `mesh` (default: tcfg.data_parallel devices on `data`). A shipped model directory is
+    replaced only with `force` (checked before any training)."""
     from mbd_jax.checkpoint import load_model
+
+    out = tcfg.output_dir().resolve()
+    if out.exists() and out.is_relative_to(SHIPPED_MODEL_DIR.resolve()) and not force:
+        raise UserError(f"output {out} is a shipped model; pass --force to replace it, or "
+                        "--output another directory (default: runs/<name>-model)")
 
     mesh = mesh or data_mesh(tcfg.data_parallel)
     model = load_model(tcfg.model, mesh=mesh)
