@@ -21,9 +21,17 @@ from mbd_jax.errors import ConfigError
 
 INT32_MAX = 2**31 - 1
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-MODEL_PRESET_DIR = REPO_ROOT / "configs" / "models"  # architectures (random init or shape only)
-SHIPPED_MODEL_DIR = REPO_ROOT / "models"  # trained models shipped in the repo (tiny-bd, tiny-mbd)
+
+# configs/ and models/ live in the checkout (editable install, tests, `make`); an installed wheel
+# carries them as mbd_jax/configs and mbd_jax/models.
+_PACKAGE = pathlib.Path(__file__).resolve().parent
+IN_CHECKOUT = (_PACKAGE.parent / "pyproject.toml").is_file() and (_PACKAGE.parent / "configs").is_dir()
+DATA_ROOT = _PACKAGE.parent if IN_CHECKOUT else _PACKAGE
+# Relative paths in configs (training outputs, checkpoints) resolve against the checkout, or the
+# working directory for an installed package (never into site-packages).
+REPO_ROOT = _PACKAGE.parent if IN_CHECKOUT else pathlib.Path.cwd()
+MODEL_PRESET_DIR = DATA_ROOT / "configs" / "models"  # architectures (random init or shape only)
+SHIPPED_MODEL_DIR = DATA_ROOT / "models"  # trained models shipped with mbd-jax (tiny-bd, tiny-mbd)
 
 RouterType = Literal["softmax_topk", "sigmoid_grouped"]
 MoeImpl = Literal["auto", "dense", "ragged", "tiled", "looped"]  # auto: chosen per backend (model/moe.py)
