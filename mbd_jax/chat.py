@@ -1,4 +1,9 @@
-"""Chat prompt rendering, one template per model family, with a thinking on/off switch.
+"""Chat prompt rendering: the model directory's own Jinja template when it has one (as vLLM and
+SGLang do), else a built-in template per model family; a thinking on/off switch either way.
+
+- Jinja: `chat_template.jinja`, or `chat_template` in `tokenizer_config.json`, rendered in a
+  sandbox with messages, add_generation_prompt=True, enable_thinking, the tokenizer's special
+  tokens (bos_token, eos_token, ...) and the request's chat_template_kwargs.
 
 - `plain` (the tiny presets): `<|role|> content` lines, then `<|assistant|>`; thinking on opens
   `<think>`.
@@ -10,6 +15,11 @@
 """
 
 from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
 
 from mbd_jax.errors import UserError
 
@@ -35,6 +45,57 @@ def render(messages: list[dict], thinking: bool = False, template: str = "plain"
         return text + "<role>ASSISTANT</role>"
     parts = [f"<|{m['role']}|> {m['content']}\n" for m in messages]
     return "".join(parts) + "<|assistant|>" + (" <think>" if thinking else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Template:
+    """How a model's chat prompts are rendered: `jinja` (the model directory's template) when
+    set, else the built-in template `builtin`."""
+
+    builtin: str = "plain"
+    jinja: str | None = None
+    special_tokens: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def render(self, messages: list[dict], thinking: bool = False, **kwargs: Any) -> str:
+        """The prompt text; `kwargs` (chat_template_kwargs) reach a Jinja template only."""
+        if self.jinja is None:
+            return render(messages, thinking, self.builtin)
+        _check(messages)
+        messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str):
+            raise UserError(f"messages: the model's chat template refused them: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False,
+                                                                 indent=indent)
+        try:
+            return env.from_string(self.jinja).render(
+                **{**self.special_tokens, **kwargs}, messages=messages,
+                add_generation_prompt=True, enable_thinking=thinking)
+        except UserError:
+            raise
+        except jinja2.TemplateError as e:
+            raise UserError(f"messages: the model's chat template failed: {e}") from None
+
+
+def for_model(model_dir: pathlib.Path, builtin: str) -> Template:
+    """The chat template of a model directory: its Jinja template if it ships one."""
+    jinja, special = None, {}
+    config_file = model_dir / "tokenizer_config.json"
+    if config_file.is_file():
+        config = json.loads(config_file.read_text())
+        special = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
+        jinja = config.get("chat_template")
+        if isinstance(jinja, list):  # [{"name": "default", "template": ...}, ...]
+            jinja = next((t["template"] for t in jinja if t.get("name") == "default"), None)
+    if (model_dir / "chat_template.jinja").is_file():
+        jinja = (model_dir / "chat_template.jinja").read_text()
+    return Template(builtin=builtin, jinja=jinja if isinstance(jinja, str) else None,
+                    special_tokens=special)
 
 
 def _check(messages: list[dict]) -> None:

@@ -119,10 +119,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if prompts_text and model.tokenizer is None:
         raise UserError(f"--model {args.model} has no tokenizer; use --prompt-ids")
     if args.chat:  # each prompt is one user turn in the model's chat template
-        from mbd_jax.chat import render
+        from mbd_jax import chat
 
-        prompts_text = [render([{"role": "user", "content": t}], template=model.cfg.chat_template)
-                        for t in prompts_text]
+        template = chat.for_model(model.path.parent, model.cfg.chat_template)
+        prompts_text = [template.render([{"role": "user", "content": t}]) for t in prompts_text]
     prompts = [model.tokenizer.encode(t) for t in prompts_text] + prompts_ids
     record = (0, 0)
     if decode.voting is not None:  # record every step's prediction of the generated region

@@ -1,5 +1,7 @@
 """Chat templates: each family's documented format and its thinking switch; the reasoning split."""
 
+import json
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -58,3 +60,27 @@ def test_streamed_reasoning_split_equals_the_whole_text_split(text, cuts):
 def test_split_reasoning():
     assert chat.split_reasoning("plan </think>\n\n42") == ("plan ", "42")
     assert chat.split_reasoning("still thinking") == ("still thinking", "")
+
+
+def test_a_model_directory_template_is_preferred_and_sandboxed(tmp_path):
+    """tokenizer_config.json's chat_template (with the tokenizer's special tokens), overridden
+    by chat_template.jinja; developer turns arrive as system; raise_exception is a UserError."""
+    assert chat.for_model(tmp_path, "qwen").render(MESSAGES) == chat.render(MESSAGES, template="qwen")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "chat_template":
+        "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% if enable_thinking %} <think>{% endif %}"
+        "{% endif %}{{ extra | default('') }}"}))
+    t = chat.for_model(tmp_path, "qwen")
+    dev = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    assert t.render(dev) == "<s>[system] Be brief.\n[user] 2+2?\n[assistant]"
+    assert t.render(dev, thinking=True, extra="!").endswith("[assistant] <think>!")
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}U")
+    t = chat.for_model(tmp_path, "qwen")
+    assert t.render(dev[1:]) == "U"
+    with pytest.raises(UserError, match="refused them: user first"):
+        t.render(dev)
+    (tmp_path / "chat_template.jinja").write_text("{{ ''.__class__.__mro__ }}")
+    with pytest.raises(UserError, match="chat template failed"):
+        chat.for_model(tmp_path, "qwen").render(dev)

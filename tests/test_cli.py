@@ -107,3 +107,28 @@ def test_runtime_settings_override_a_checksummed_model():
     status = subprocess.run(["git", "status", "--porcelain", "models/"], capture_output=True,
                             text=True, cwd=ROOT)
     assert status.stdout == ""
+
+
+def test_generate_chat_uses_the_model_directorys_own_template(tmp_path):
+    import shutil
+
+    model = tmp_path / "tiny-mbd"
+    shutil.copytree(ROOT / "models" / "tiny-mbd", model)
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}Q: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}A:"
+        "{% endif %}")
+    r = run("generate", "--model", str(model), "--chat", "--prompt", "Sort: 3 1 2",
+            "--prompt", "Reverse: a b", "--max-new-tokens", "8", "--json")
+    assert r.returncode == 0, r.stderr
+    raw = run("generate", "--model", str(model), "--prompt", "Q: Sort: 3 1 2\nA:",
+              "--prompt", "Q: Reverse: a b\nA:", "--max-new-tokens", "8", "--json")
+    assert raw.returncode == 0, raw.stderr
+    rows, raw_rows = ([json.loads(line) for line in out.stdout.splitlines()] for out in (r, raw))
+    assert [x["token_ids"] for x in rows] == [x["token_ids"] for x in raw_rows]
+    # the prompt was the directory template's, not the built-in one's
+    from mbd_jax import chat
+    from mbd_jax.checkpoint import load_model
+
+    tok = load_model("tiny-mbd", with_weights=False).tokenizer
+    assert rows[0]["prompt_tokens"] == len(tok.encode("Q: Sort: 3 1 2\nA:")) != len(tok.encode(
+        chat.render([{"role": "user", "content": "Sort: 3 1 2"}])))

@@ -109,6 +109,7 @@ class Service:
     model_name: str
     api_keys: list[str]
     profile_dir: pathlib.Path
+    template: chat.Template  # the model's chat template
     rate: TokenBucket | None = None
     auth_failures: TokenBucket | None = None  # wrong keys per client address
     profiling: bool = False
@@ -196,7 +197,8 @@ class Service:
             raise HTTPError(404, f"model '{_shown(name)}' does not exist; this server serves "
                                  f"'{self.model_name}' (GET /v1/models)", param="model",
                             kind="not_found_error")
-        ignored = protocol.ignored(req)
+        ignored = [f for f in protocol.ignored(req)  # a Jinja template receives these
+                   if not (self.template.jinja and f.startswith("chat_template_kwargs."))]
         if ignored:
             log.warning("request %s: ignoring %s (no effect on this server)",
                         getattr(request.state, "rid", "-"), ", ".join(ignored))
@@ -435,8 +437,9 @@ def build_apps(svc: Service, admin_port: bool = True) -> tuple[Starlette, Starle
     async def chat_completions(request):
         req = svc.parse(protocol.ChatCompletionRequest, await guarded(request), request)
         messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        extra = req.chat_template_kwargs.model_extra if req.chat_template_kwargs else {}
         try:
-            text = chat.render(messages, svc.thinking(req), svc.scheduler.engine.cfg.chat_template)
+            text = svc.template.render(messages, svc.thinking(req), **(extra or {}))
         except UserError as e:
             raise HTTPError(400, str(e), param="messages") from None
         return await respond(request, req, [svc.encode(text, "messages")], chat_format=True)

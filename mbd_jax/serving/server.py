@@ -29,7 +29,8 @@ import uvicorn
 
 from mbd_jax.cache.prefix_store import PrefixStore, model_identity
 from mbd_jax.checkpoint import load_model
-from mbd_jax.config import ServeConfig
+from mbd_jax import chat
+from mbd_jax.config import ServeConfig, resolve_model_path
 from mbd_jax.engine import Engine
 from mbd_jax.errors import UserError
 from mbd_jax.parallel import multihost
@@ -96,7 +97,8 @@ def build_service(cfg: ServeConfig, api_keys: list[str], profile_dir: str = "pro
         engine = multihost.EngineLeader(engine)
     metrics = Metrics(engine)
     scheduler = Scheduler(engine, cfg, metrics)
-    return Service(cfg=cfg, scheduler=scheduler, metrics=metrics,
+    template = chat.for_model(resolve_model_path(cfg.model).parent, engine.cfg.chat_template)
+    return Service(cfg=cfg, scheduler=scheduler, metrics=metrics, template=template,
                    model_name=cfg.server.served_model_name or engine.cfg.name,
                    api_keys=api_keys, profile_dir=pathlib.Path(profile_dir))
 
