@@ -54,8 +54,9 @@ def peak_memory_mb() -> float:
 def bench_decode(cfg: ModelConfig, params: Any, *, batch: int, prompt_len: int, new_tokens: int,
                  buffer_sizes: list[int], decode: DecodeConfig, repeats: int, seed: int = 0,
                  prefill_chunk: int = 256, moe_impls: list[str] | None = None,
-                 mesh=None) -> dict[str, Any]:
-    """Every (expert path, buffer size) on the same prompts, in this process, on `mesh`."""
+                 mesh=None, progress=None) -> dict[str, Any]:
+    """Every (expert path, buffer size) on the same prompts, in this process, on `mesh`;
+    `progress` (a callable taking a message) hears about each variant as it starts."""
     rng = np.random.default_rng(seed)
     banned = {cfg.mask_token_id, *cfg.eos_token_ids}
     allowed = np.array([i for i in range(cfg.vocab_size) if i not in banned], np.int32)
@@ -64,14 +65,17 @@ def bench_decode(cfg: ModelConfig, params: Any, *, batch: int, prompt_len: int, 
     rows = []
     variants = [(impl, n) for impl in (moe_impls or [cfg.moe_impl]) for n in buffer_sizes]
     base_cfg = cfg
-    for impl, n_buf in variants:
+    for i, (impl, n_buf) in enumerate(variants):
+        if progress is not None:
+            progress(f"variant {i + 1}/{len(variants)}: moe_impl {impl}, N_buf {n_buf} "
+                     f"(compile, then {repeats} timed runs)")
         cfg = dataclasses.replace(base_cfg, moe_impl=impl)
         d = dataclasses.replace(decode, buffer_size=n_buf, max_new_tokens=new_tokens)
         c0, s0 = compile_stats.compiles(), compile_stats.compile_seconds()
         t0 = time.perf_counter()
         engine = Engine(cfg, params, batch_size=batch, buffer_size=n_buf,
                         prefill_chunk=min(prefill_chunk, cfg.max_seq_len), mesh=mesh)
-        engine.warmup()
+        engine.warmup(progress)
         warm_s = time.perf_counter() - t0
         compiles_warm = compile_stats.compiles() - c0
         compile_s = compile_stats.compile_seconds() - s0

@@ -95,6 +95,11 @@ def _decode_config(args: argparse.Namespace):
         seed=args.seed, max_new_tokens=args.max_new_tokens, max_nfe=args.max_nfe)
 
 
+def _progress(message: str) -> None:
+    """Progress of slow steps (compiling, benchmarks), on stderr so stdout stays data."""
+    print(f"[mbd-jax] {message}", file=sys.stderr, flush=True)
+
+
 def _parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
@@ -133,7 +138,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for i, p in enumerate(prompts):  # fail before compiling anything
         engine.check_prompt(p, where=f"prompt[{i}]")
     t0 = time.perf_counter()
-    engine.warmup()  # compile every shape first, so `seconds` is decoding alone
+    engine.warmup(progress=_progress)  # compile every shape first: `seconds` is decoding alone
     compile_seconds = time.perf_counter() - t0
     with maybe_trace(args.profile):
         results = engine.generate(prompts, decode)
@@ -177,7 +182,8 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     model = load_model(args.model, random_weights=args.random_weights, mesh=mesh)
     report = bench_decode(model.cfg, model.params, batch=args.batch, prompt_len=args.prompt_len,
                           new_tokens=args.new_tokens, buffer_sizes=sizes, decode=decode,
-                          repeats=args.repeats, moe_impls=impls, mesh=mesh)
+                          repeats=args.repeats, moe_impls=impls, mesh=mesh,
+                          progress=_progress if multihost.is_leader() else None)
     if not multihost.is_leader():
         return 0
     print(format_table(report), file=sys.stderr)

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import math
 import time
+from collections.abc import Callable
 from typing import Any, Sequence
 
 import jax
@@ -470,13 +471,17 @@ class Engine:
         done[list(rows)] = True
         return state.replace(done=self._put(done))
 
-    def warmup(self) -> None:
+    def warmup(self, progress: Callable[[str], None] | None = None) -> None:
         """Compiles every program this engine can run (all prefill buckets, the row merge and
-        the decode loop)."""
+        the decode loop); `progress` hears about each step (compiling takes a while)."""
+        say = progress or (lambda message: None)
+        t_start = time.perf_counter()
         blk = self.cfg.block_size
         b = self.batch_size
         zeros = self._put(np.zeros(b, np.int32))
-        for t in prefill_buckets(blk, self.prefill_chunk):
+        buckets = prefill_buckets(blk, self.prefill_chunk)
+        for i, t in enumerate(buckets):
+            say(f"compiling prefill of {t} tokens ({i + 1}/{len(buckets)})")
             self.kv = self._prefill(self.params, self.kv, self._put(np.zeros((b, t), np.int32)),
                                     zeros, zeros, self._put(np.zeros(b, bool)),
                                     scratch_offset=self.scratch_offset)
@@ -496,7 +501,9 @@ class Engine:
                                     scratch_offset=self.scratch_offset)
             jax.block_until_ready(self.kv)
             self.prefill_seconds_per_token = (time.perf_counter() - t0) / (b * self.prefill_chunk)
+        say(f"compiling the decode loop ({b} rows, N_buf {self.buffer_size})")
         prompt = np.array([self.cfg.pad_token_id], np.int32)
         state = self.admit(self.empty_state(), {0: (prompt, DecodeConfig(max_new_tokens=1))})
         self.decode_call(state, 1)
         jax.block_until_ready(self.kv)
+        say(f"warm-up done in {time.perf_counter() - t_start:.1f} s")

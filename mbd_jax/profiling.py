@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import pathlib
+import sys
 from typing import Iterator
 
 import jax
@@ -18,3 +19,6 @@ def maybe_trace(log_dir: str | None) -> Iterator[None]:
     pathlib.Path(log_dir).mkdir(parents=True, exist_ok=True)
     with jax.profiler.trace(str(log_dir)):
         yield
+    print(f"[mbd-jax] profile trace written under {pathlib.Path(log_dir).resolve()} (open it with "
+          f"`pip install xprof; xprof --logdir {log_dir}`, or TensorBoard)", file=sys.stderr,
+          flush=True)

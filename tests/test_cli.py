@@ -32,6 +32,10 @@ def test_generate_json_and_profile(tmp_path):
         assert row["finish_reason"] == "length" and len(row["token_ids"]) == 12
         assert row["nfe"] >= 1 and 0 < row["tpf"] <= 8
     assert "Traceback" not in r.stderr
+    # progress while compiling, and where the trace went (after the warm-up: decoding only)
+    assert "[mbd-jax] compiling the decode loop" in r.stderr and "warm-up done" in r.stderr
+    assert f"profile trace written under {prof.resolve()}" in r.stderr
+    assert r.stderr.index("warm-up done") < r.stderr.index("profile trace written")
     traces = list(prof.rglob("*.xplane.pb"))
     assert traces and traces[0].stat().st_size > 0
 

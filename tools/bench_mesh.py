@@ -57,6 +57,7 @@ def main() -> int:
         mesh = (meshlib.single_device_mesh() if spec == "one"
                 else meshlib.make_mesh(meshlib.parse_mesh(spec)))
         model = load_model(args.model, random_weights=args.random_weights, mesh=mesh)
+        print(f"[bench_mesh] mesh {spec}: compiling and timing", file=sys.stderr, flush=True)
         report = bench_decode(model.cfg, model.params, batch=args.batch, prompt_len=args.prompt_len,
                               new_tokens=args.new_tokens, buffer_sizes=[args.buffer_size],
                               decode=DecodeConfig(), repeats=args.repeats, mesh=mesh)

@@ -142,7 +142,7 @@ class Scheduler:
     # ------------------------------------------------------------ the engine thread
     def _run(self) -> None:
         try:
-            self.engine.warmup()
+            self.engine.warmup(progress=lambda message: log.info("warm-up: %s", message))
             state = self.engine.empty_state()
         except BaseException as e:
             self._fatal(e)
