@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-PROMPT ?= What is 12+30?
+PROMPT ?= Sort: 7 2 9 4
 PORT   ?= 8000
 ADMIN_PORT ?=
 
