@@ -54,6 +54,7 @@ class GenerationResult:
     voted_answer: str | None = None  # voting: the weighted majority over the steps' answers
     final_answer: str | None = None  # voting: the answer parsed from the final text
     vote_scores: dict[str, float] | None = None
+    logprobs: list[float] | None = None  # per token: its log-probability when it was written
 
     @property
     def tpf(self) -> float:
@@ -305,11 +306,14 @@ class Engine:
                                    f"{np.nonzero(violations)[0].tolist()} (debug mode)")
         return state
 
-    def host_view(self, state: DecodeState) -> DecodeState:
-        """`state` on the host, without the voting trajectories; fetched once per decode call
-        however many readers (the offloader, the scheduler's streaming) ask."""
-        if self._host is None or self._host[0] is not state:
-            self._host = (state, jax.device_get(state.replace(trajectory=None)))
+    def host_view(self, state: DecodeState, logprobs: bool = False) -> DecodeState:
+        """`state` on the host, without the voting trajectories, and without the log-probabilities
+        unless asked; fetched once per decode call however many readers (the offloader, the
+        scheduler's streaming) ask."""
+        if self._host is None or self._host[0] is not state or (
+                logprobs and self._host[1].logprob is None):
+            self._host = (state, jax.device_get(state.replace(
+                trajectory=None, logprob=state.logprob if logprobs else None)))
         return self._host[1]
 
     def run_decode(self, state: DecodeState, max_calls: int | None = None) -> DecodeState:
@@ -348,6 +352,8 @@ class Engine:
             nfe=int(host.nfe[i]), tokens_unmasked=int(host.n_unmasked[i]),
             bubble_forwards=int(host.bubbles[i]), edits=int(host.n_edits[i]), blocks=blocks,
             max_active_blocks=int(host.max_active[i]), prompt_tokens=p0, seconds=seconds)
+        if host.logprob is not None:
+            r.logprobs = host.logprob[i, p0: p0 + len(ids)].tolist()
         if self.tokenizer is not None:
             r.text = self.tokenizer.decode(ids)
         if decode is not None and decode.voting is not None:

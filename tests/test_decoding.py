@@ -183,3 +183,31 @@ def test_top_k_and_top_p_keep_the_numpy_reference_set():
             if top_k[b]:
                 n = min(n, top_k[b])
             assert set(np.flatnonzero(kept[b, w])) == set(order[:n].tolist()), (b, w)
+
+
+def test_logprobs_equal_a_full_sequence_forward_at_commit_time(cfg, params):
+    """With the whole block committed in one step (fixed_steps, 1 step per block), each token was
+    written when its block was all masks: its log-probability must equal a full-sequence forward
+    (block-causal mask, no cache) of prompt + earlier blocks + a masked block, mask excluded."""
+    from mbd_jax.model.layers import NEG_INF
+    from mbd_jax.model.transformer import Transformer, block_causal_mask
+
+    blk = cfg.block_size
+    prompt = list(range(10, 10 + 2 * blk))
+    engine = Engine(cfg, params, batch_size=1, buffer_size=1, prefill_chunk=32)
+    (r,) = engine.generate([prompt], DecodeConfig(policy="fixed_steps", steps_per_block=1,
+                                                  max_new_tokens=3 * blk))
+    assert r.logprobs is not None and len(r.logprobs) == len(r.token_ids) > blk
+    apply = jax.jit(Transformer(cfg).apply)
+    want = []
+    for k in range(0, len(r.token_ids), blk):
+        seq = prompt + r.token_ids[:k] + [cfg.mask_token_id] * blk
+        pos = jnp.arange(len(seq))[None]
+        logits, _ = apply({"params": params}, jnp.asarray([seq]), pos,
+                          mask=block_causal_mask(pos, blk))
+        logits = logits[0, len(prompt) + k:].at[:, cfg.mask_token_id].set(NEG_INF)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        block = r.token_ids[k: k + blk]
+        want += [float(logp[j, t]) for j, t in enumerate(block)]
+    np.testing.assert_allclose(r.logprobs, want, atol=1e-4)
+    assert all(lp <= 0 for lp in r.logprobs)

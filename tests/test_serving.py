@@ -558,3 +558,31 @@ def test_openapi_schema_is_published(server):
     props = doc["components"]["schemas"]["CompletionRequest"]["properties"]
     assert {"prompt", "stop", "n", "top_k", "seed", "max_tokens"} <= set(props)
     assert doc["components"]["schemas"]["CompletionRequest"]["additionalProperties"] is False
+
+
+def test_logprobs_of_the_chosen_tokens(server, offline):
+    """Each token's log-probability when it was written (the engine's, checked against a full
+    forward in test_decoding), its text, offsets that rebuild the completion; streamed too."""
+    c, tok = client(server), offline.tokenizer
+    prompt = "Once upon a time"
+    (want,) = offline([tok.encode(prompt)], max_new_tokens=12)
+    r = c.completions.create(model="tiny-random", prompt=prompt, max_tokens=12, logprobs=0)
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(want.logprobs, abs=1e-6)
+    assert "".join(lp.tokens) == r.choices[0].text == want.text
+    assert [r.choices[0].text[: o] for o in lp.text_offset] == \
+        ["".join(lp.tokens[:i]) for i in range(len(lp.tokens))]
+    streamed = [ch.choices[0].logprobs for ch in c.completions.create(
+        model="tiny-random", prompt=prompt, max_tokens=12, logprobs=0, stream=True)]
+    assert [x for s in streamed if s for x in s.token_logprobs] == lp.token_logprobs
+    chat_r = c.chat.completions.create(model="tiny-random", max_tokens=8, logprobs=True,
+                                       messages=[{"role": "user", "content": prompt}])
+    content = chat_r.choices[0].logprobs.content
+    assert len(content) == chat_r.usage.completion_tokens and all(t.logprob <= 0 for t in content)
+    assert "".join(t.token for t in content) == chat_r.choices[0].message.content
+    assert c.completions.create(model="tiny-random", prompt=prompt,
+                                max_tokens=4).choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny-random", max_tokens=4, logprobs=True, top_logprobs=3,
+                                  messages=[{"role": "user", "content": prompt}])
+    assert e.value.body["param"] == "top_logprobs"

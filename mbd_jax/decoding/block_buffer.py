@@ -56,6 +56,8 @@ class RowParams:
 @flax.struct.dataclass
 class DecodeState:
     canvas: jax.Array  # [B, S_cap] int32
+    logprob: jax.Array  # [B, S_cap] float32: log-probability of each generated token when it was
+    #                     last written (its confidence then; 0 elsewhere)
     prompt_len: jax.Array  # [B]
     cached_len: jax.Array  # [B] positions whose clean KV is in the buffer; multiple of blk
     n_valid: jax.Array  # [B] non-DUMMY slots
@@ -75,10 +77,17 @@ class DecodeState:
     params: RowParams
 
 
-def window(state: DecodeState, width: int) -> jax.Array:
-    """The buffer's tokens: canvas[b, cached_len[b] : cached_len[b] + width]. [B, width]."""
+def window(state: DecodeState, width: int, of: jax.Array | None = None) -> jax.Array:
+    """The buffer's tokens: canvas[b, cached_len[b] : cached_len[b] + width] (or the same window
+    of `of`, another [B, S_cap] array). [B, width]."""
     return jax.vmap(lambda row, start: jax.lax.dynamic_slice(row, (start,), (width,)))(
-        state.canvas, state.cached_len)
+        state.canvas if of is None else of, state.cached_len)
+
+
+def put_window(state: DecodeState, values: jax.Array, into: jax.Array) -> jax.Array:
+    """`into` [B, S_cap] with each row's buffer window replaced by values [B, W]."""
+    return jax.vmap(lambda row, win, start: jax.lax.dynamic_update_slice(row, win, (start,)))(
+        into, values, state.cached_len)
 
 
 def _shift_slots(x: jax.Array, c: jax.Array, fill) -> jax.Array:
@@ -101,8 +110,7 @@ def advance(state: DecodeState, new_window: jax.Array, filled_now: jax.Array, ed
     blk, n = block_size, n_slots
     p = state.params
     live = ~state.done
-    canvas = jax.vmap(lambda row, win, start: jax.lax.dynamic_update_slice(row, win, (start,)))(
-        state.canvas, new_window, state.cached_len)
+    canvas = put_window(state, new_window, state.canvas)
 
     pos = state.cached_len[:, None] + jnp.arange(w)  # [B, W] absolute positions
     generated = pos >= state.prompt_len[:, None]
@@ -237,6 +245,7 @@ def initial_state(prompts: list[np.ndarray], capacity: int, block_size: int, n_s
     zeros, ones = np.zeros(b, np.int32), np.ones(b, np.int32)
     return DecodeState(
         canvas=put(canvas),
+        logprob=put(np.zeros(canvas.shape, np.float32)),
         prompt_len=put(prompt_len),
         cached_len=put(prompt_len // block_size * block_size),
         n_valid=put(ones),

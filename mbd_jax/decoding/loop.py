@@ -73,6 +73,9 @@ def decode_step(params: Any, state: DecodeState, kv: KVCache, *, apply_fn: Apply
     edited = (~masked & active & generated & p.edit[:, None] & (token != win)
               & (confidence > p.edit_threshold[:, None]))
     new_win = jnp.where(filled_now | edited, token, win)
+    written = jnp.where(filled_now | edited, jnp.log(jnp.maximum(confidence, 1e-30)),
+                        block_buffer.window(state, w, of=state.logprob))
+    state = state.replace(logprob=block_buffer.put_window(state, written, state.logprob))
     if state.trajectory.shape[1] > 0:  # static: voting needs every step's full prediction
         state = block_buffer.record_prediction(
             state, jnp.where(new_win == cfg.mask_token_id, greedy, new_win))

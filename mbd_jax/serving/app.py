@@ -33,6 +33,7 @@ from mbd_jax.errors import UserError
 from mbd_jax.stop_strings import StopStrings
 from mbd_jax.serving import protocol
 from mbd_jax.serving.body import BodyError, parse_object
+from mbd_jax.serving.logprobs import TokenLogprobs
 from mbd_jax.serving.scheduler import Draining, EngineDown, QueueFull, Request, Scheduler
 
 log = logging.getLogger("mbd_jax.serving")
@@ -297,12 +298,13 @@ class Service:
                             kind="unavailable", headers={"Retry-After": "5"})
 
     async def start(self, prompts: list[list[int]], decodes: list[DecodeConfig], thinking: bool,
-                    stop: list[str] | None = None) -> list[Request]:
+                    stop: list[str] | None = None, logprobs: bool = False) -> list[Request]:
         """Queues one request per (prompt, decode), all or none."""
         self.available()
         loop = asyncio.get_running_loop()
         reqs = [Request(id=f"req-{uuid.uuid4().hex[:16]}", prompt=p, decode=d, loop=loop,
-                        thinking=thinking, stops=StopStrings(stop) if stop else None)
+                        thinking=thinking, stops=StopStrings(stop) if stop else None,
+                        logprobs=logprobs)
                 for p, d in zip(prompts, decodes, strict=True)]
         try:
             self.scheduler.submit(reqs)
@@ -461,7 +463,11 @@ def build_apps(svc: Service, admin_port: bool = True) -> tuple[Starlette, Starle
                                  f"the limit is {svc.cfg.server.max_segments}", param="n")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         prompt_of = [i // n for i in range(len(prompts) * n)]
-        reqs = await svc.start([prompts[p] for p in prompt_of], decodes, thinking, req.stop)
+        with_logprobs = protocol.wants_logprobs(req)
+        reqs = await svc.start([prompts[p] for p in prompt_of], decodes, thinking, req.stop,
+                               with_logprobs)
+        tokenizer = svc.scheduler.engine.tokenizer
+        logprobs = [TokenLogprobs(tokenizer, chat_format) if with_logprobs else None for _ in reqs]
         created = int(time.time())
         kind = "chat.completion" if chat_format else "text_completion"
         split = chat_format and thinking  # reasoning_content apart from the answer
@@ -472,6 +478,9 @@ def build_apps(svc: Service, admin_port: bool = True) -> tuple[Starlette, Starle
             choices = []
             for i, result in enumerate(results):
                 choice = {"index": i, "finish_reason": finish_reason(result), **voting_info(result)}
+                if chat_format or logprobs[i] is not None:
+                    choice["logprobs"] = logprobs[i] and logprobs[i].block(
+                        result.token_ids, result.logprobs or [], last=True)
                 if chat_format:
                     message = {"role": "assistant", "content": result.text}
                     if split:
@@ -479,7 +488,8 @@ def build_apps(svc: Service, admin_port: bool = True) -> tuple[Starlette, Starle
                             chat.split_reasoning(result.text)
                     choice["message"] = message
                 else:
-                    choice.update(text=result.text, logprobs=None)
+                    choice.update(text=result.text)
+                    choice.setdefault("logprobs", None)
                 choices.append(choice)
             return JSONResponse({"id": reqs[0].id, "object": kind, "created": created,
                                  "model": svc.model_name, "choices": choices,
@@ -520,7 +530,11 @@ def build_apps(svc: Service, admin_port: bool = True) -> tuple[Starlette, Starle
 
         reasoning = [chat.ReasoningStream() for _ in reqs] if split else None
 
-        def chunk(i: int, text: str | None, reason: str | None, extra: dict | None = None) -> str:
+        def chunk(i: int, text: str | None, reason: str | None, extra: dict | None = None,
+                  tokens: tuple | None = None) -> str:
+            lp = None
+            if logprobs[i] is not None and tokens is not None:
+                lp = logprobs[i].block(*tokens)
             if chat_format:
                 delta = {}
                 if text is not None and reasoning is not None:
@@ -531,9 +545,9 @@ def build_apps(svc: Service, admin_port: bool = True) -> tuple[Starlette, Starle
                                                ("content", answer)) if v}
                 elif text is not None:
                     delta = {"content": text}
-                choice = {"index": i, "delta": delta, "finish_reason": reason}
+                choice = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": lp}
             else:
-                choice = {"index": i, "text": text or "", "finish_reason": reason, "logprobs": None}
+                choice = {"index": i, "text": text or "", "finish_reason": reason, "logprobs": lp}
             return sse([{**choice, **(extra or {})}])
 
         async def stream():
@@ -546,8 +560,8 @@ def build_apps(svc: Service, admin_port: bool = True) -> tuple[Starlette, Starle
                 i, event = first
                 while True:
                     if event[0] == "tokens":
-                        if event[2] or not chat_format:
-                            yield chunk(i, event[2], None)
+                        if event[2] or not chat_format or logprobs[i] is not None:
+                            yield chunk(i, event[2], None, tokens=(event[1], event[3] or []))
                     elif event[0] == "done":
                         results[i] = event[1]
                         yield chunk(i, "" if chat_format and split else

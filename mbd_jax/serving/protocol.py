@@ -111,9 +111,22 @@ def _unsupported(*allowed: Any, what: str):
 # OpenAI fields that would change the output: accepted only at their neutral values.
 NoPenalty = _unsupported(0, 0.0, None, what="0")
 NoLogitBias = _unsupported({}, None, what="{} or null")
-NoLogprobs = _unsupported(False, 0, None,
-                          what="false, 0 or null (log-probabilities are not reported yet)")
-NoTopLogprobs = _unsupported(0, None, what="0 or null")
+NoTopLogprobs = _unsupported(0, None, what="0 or null (alternatives to the chosen tokens are "
+                                           "not recorded)")
+
+
+def _check_completion_logprobs(v: Any) -> int | None:
+    """Completions' `logprobs` (how many alternatives per token): 0 reports the chosen tokens'
+    log-probabilities; alternatives are not recorded."""
+    if v is None or v is False:
+        return None
+    if v is True or (_is_int(v) and v == 0):
+        return 0
+    raise ValueError("must be 0 (the chosen tokens' log-probabilities) or null; alternatives "
+                     "to the chosen tokens are not recorded")
+
+
+CompletionLogprobs = _one_of(_check_completion_logprobs, {"enum": [0, None]})
 NoEcho = _unsupported(False, None, what="false")
 NoBestOf = _unsupported(1, None, what="1")
 NoSuffix = _unsupported(None, "", what="null")
@@ -160,8 +173,6 @@ class _Sampling(_Body):
     frequency_penalty: NoPenalty = None
     presence_penalty: NoPenalty = None
     logit_bias: NoLogitBias = None
-    logprobs: NoLogprobs = None
-    top_logprobs: NoTopLogprobs = None
     # Harmless.
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -173,6 +184,7 @@ class _Sampling(_Body):
 
 class CompletionRequest(_Sampling):
     prompt: Prompt
+    logprobs: CompletionLogprobs = None
     echo: NoEcho = None
     best_of: NoBestOf = None
     suffix: NoSuffix = None
@@ -187,6 +199,8 @@ class Message(_Body):
 class ChatCompletionRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: NoTopLogprobs = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
     response_format: TextFormat = None
     tools: NoTools = None
@@ -206,6 +220,11 @@ class GenerateRequest(_Body):
     stop: Stop = None
     decoding: dict[str, Any] | None = None
     thinking: bool | None = None
+
+
+def wants_logprobs(req: BaseModel) -> bool:
+    value = getattr(req, "logprobs", None)
+    return value is not None and value is not False  # completions send 0 (== False) for "on"
 
 
 def ignored(req: BaseModel) -> list[str]:

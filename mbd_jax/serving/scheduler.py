@@ -49,7 +49,8 @@ class EngineDown(Exception):
 @dataclasses.dataclass
 class Request:
     """One generation. Events on `events` (read by the HTTP handler, on its event loop):
-    ("tokens", ids, text_delta) for every committed block, then ("done", GenerationResult)
+    ("tokens", ids, text_delta, logprobs or None) for every committed block, then ("done",
+    GenerationResult)
     or ("error", http_status, message)."""
 
     id: str
@@ -57,6 +58,7 @@ class Request:
     decode: DecodeConfig
     loop: asyncio.AbstractEventLoop
     thinking: bool = False
+    logprobs: bool = False  # report each token's log-probability
     arrived: float = dataclasses.field(default_factory=time.monotonic)
     events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     cancelled: bool = False  # set by the HTTP side (client went away)
@@ -319,7 +321,8 @@ class Scheduler:
     def _fetch(self, state):
         """The state on the host, without the voting trajectories ([B, steps, len]: large) unless
         a finished row asked for a vote."""
-        host = self.engine.host_view(state)  # shared with the offloader: one transfer per call
+        host = self.engine.host_view(  # shared with the offloader: one transfer per call
+            state, logprobs=any(r.logprobs for r in self._rows.values()))
         if any(host.done[row] and r.decode.voting is not None for row, r in self._rows.items()
                if row not in self._prefilling):
             host = host.replace(trajectory=jax.device_get(state.trajectory))
@@ -355,6 +358,10 @@ class Scheduler:
                 elif done:
                     text += r.stops.finish()
                 r.released.append(text)
+            lps = None
+            if r.logprobs:
+                start = p0 + r.sent_tokens
+                lps = host.logprob[row, start: start + len(new)].tolist()
             if new or text:
                 if r.first_block is None:
                     r.first_block = now
@@ -362,7 +369,7 @@ class Scheduler:
                 else:
                     self.metrics.inter_block.observe(now - r.last_block)
                 r.last_block = now
-                r.emit("tokens", new, text)
+                r.emit("tokens", new, text, lps)
                 r.sent_tokens += len(new)
             if done or row in stopped:
                 self._finish(r, host, row, now, by_stop=row in stopped)
@@ -385,7 +392,9 @@ class Scheduler:
                 result: GenerationResult = self.engine.result_of(
                     host, row, now - r.arrived, None if by_stop else r.decode)
                 if by_stop:
-                    result = dataclasses.replace(result, token_ids=sent, finish_reason="stop")
+                    lps = host.logprob[row, p0: p0 + len(sent)].tolist() if r.logprobs else None
+                    result = dataclasses.replace(result, token_ids=sent, finish_reason="stop",
+                                                 logprobs=lps)
                 if r.stops is not None:
                     result.text = "".join(r.released)
             except Exception:
