@@ -439,11 +439,15 @@ def test_shared_system_prompt_hits_the_prefix_cache_across_a_restart(tmp_path, o
         srv = Server(tmp_path / f"s{attempt}", [KEY], sections=cache)
         try:
             c = client(srv)
-            got = []
+            got, cached = [], []
             for m in messages:  # one after another: each finds the blocks the last one stored
                 r = c.chat.completions.create(model="tiny-random", messages=m, max_tokens=16)
                 got.append(r.choices[0].message.content)
+                cached.append(r.usage.prompt_tokens_details.cached_tokens)
             assert got == expected
+            # usage reports the prompt tokens served from the cache: whole shared blocks
+            assert (cached[0] == 0) == (attempt == 0) and all(c > 0 for c in cached[1:]), cached
+            assert all(c % 4 == 0 and c < r.usage.prompt_tokens for c in cached), cached
             met = srv.metrics()
             assert met["mbd_prefix_cache_hit_blocks_total"] >= (2 if attempt == 0 else 3) * 5
             assert met['mbd_prefix_cache_bytes{"tier": "disk"}'] > 0
