@@ -66,6 +66,9 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-impl", choices=typing.get_args(AttentionImpl))
     g.add_argument("--attention-chunk", type=int, help="keys per online-softmax chunk")
     g.add_argument("--compute-dtype", choices=typing.get_args(DType))
+    g.add_argument("--max-model-len", dest="max_seq_len", type=int,
+                   help="context length to serve (at most the model's; a smaller KV buffer; a "
+                        "multiple of the block size)")
 
 
 def _runtime(args: argparse.Namespace) -> dict:

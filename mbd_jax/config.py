@@ -279,10 +279,13 @@ class RuntimeConfig:
     attention_impl: AttentionImpl | None = None
     attention_chunk: int | None = None
     compute_dtype: DType | None = None
+    max_seq_len: int | None = None  # serve a shorter context than the model's (a smaller KV buffer)
 
     def validate(self, where: str = "runtime") -> None:
         _check(self.attention_chunk is None or self.attention_chunk > 0, where,
                "field 'attention_chunk' must be > 0 or null")
+        _check(self.max_seq_len is None or self.max_seq_len > 0, where,
+               "field 'max_seq_len' must be > 0 or null")
 
 
 RUNTIME_FIELDS = tuple(f.name for f in dataclasses.fields(RuntimeConfig))
@@ -297,6 +300,9 @@ def with_runtime(cfg: ModelConfig, overrides: dict[str, Any] | None, where: str)
                           f"settings: {', '.join(RUNTIME_FIELDS)}")
     if not overrides:
         return cfg
+    if overrides.get("max_seq_len", 0) > cfg.max_seq_len:
+        raise ConfigError(f"{where}: max_seq_len {overrides['max_seq_len']} exceeds the model's "
+                          f"{cfg.max_seq_len}")
     data = {**dataclasses.asdict(cfg), **overrides}
     data["eos_token_ids"] = list(data["eos_token_ids"])
     return from_dict(ModelConfig, data, where=where)

@@ -387,14 +387,16 @@ def test_generate_keeps_finished_segments_when_others_time_out(tmp_path):
     """One row, a 60 ms queue timeout: the first segment decodes 200 tokens (200+ forwards, far
     longer than 60 ms) while the others wait and time out. The answer keeps the finished
     segment and gives each failed one its own error. The same server checks the deployment
-    knobs: settings from MBD_* variables, --api-key, no admin port (/metrics on the data port)
-    and --served-model-name."""
+    knobs: settings from MBD_* variables, --api-key, no admin port (/metrics on the data port),
+    --served-model-name and --max-model-len."""
     srv = Server(tmp_path, [KEY], max_batch_size=4, queue_timeout_ms=60, admin=False,
-                 args=("--api-key", "flag-key", "--served-model-name", "my-model"),
+                 args=("--api-key", "flag-key", "--served-model-name", "my-model",
+                       "--max-model-len", "512"),
                  env={"MBD_SERVER_MAX_BATCH_SIZE": "1"})
     try:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="flag-key", max_retries=0)
         assert [m.id for m in c.models.list().data] == ["my-model"]
+        assert c.models.retrieve("my-model").model_extra["max_model_len"] == 512
         assert c.completions.create(model="my-model", prompt="hi", max_tokens=2).choices
         metrics = httpx.get(srv.url + "/metrics", timeout=10)
         assert metrics.status_code == 200 and "mbd_busy_rows" in metrics.text
