@@ -158,6 +158,19 @@ body = st.dictionaries(st.sampled_from(FIELDS), values, max_size=5).flatmap(
 routes = st.sampled_from(["/v1/completions", "/v1/chat/completions", "/generate"])
 
 
+def send_and_check(client: httpx.Client, route: str, payload: dict, codes: dict) -> None:
+    """One fuzzed request: never a 5xx; a 4xx is a JSON error; a stream ends cleanly. Counts
+    the status in `codes`."""
+    r = client.post(route, content=json.dumps(payload).encode())
+    assert r.status_code < 500, (route, payload, r.status_code, r.text[:300])
+    if r.status_code >= 400:
+        err = r.json()["error"]
+        assert err["message"] and err["code"] == r.status_code, r.text[:300]
+    elif payload.get("stream") is True:
+        assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text, r.text[-300:]
+    codes[r.status_code] = codes.get(r.status_code, 0) + 1
+
+
 @settings(max_examples=1500, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(route=routes, payload=body, drop=st.sets(st.sampled_from(FIELDS)))
@@ -166,15 +179,8 @@ def _fuzz_one(client, route, payload, drop):
     if route == "/generate":  # its own field names
         payload.pop("prompt", None), payload.pop("messages", None)
         payload.pop("max_tokens", None)
-    r = client.post(route, content=json.dumps(payload).encode())
-    assert r.status_code < 500, (route, payload, r.status_code, r.text[:300])
-    if r.status_code >= 400:
-        err = r.json()["error"]
-        assert err["message"] and err["code"] == r.status_code, r.text[:300]
-    elif payload.get("stream") is True:
-        assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text, r.text[-300:]
+    send_and_check(client, route, payload, _fuzz_one.codes)
     _fuzz_one.sent += 1
-    _fuzz_one.codes[r.status_code] = _fuzz_one.codes.get(r.status_code, 0) + 1
 
 
 def test_fuzzed_requests_never_get_a_5xx_and_the_engine_survives(server):
@@ -258,14 +264,7 @@ def test_requests_generated_from_the_published_schema_never_get_a_5xx(server):
                       suppress_health_check=list(HealthCheck))
             @given(payload=from_schema(ref, defs))
             def one(payload):
-                r = client.post(route, content=json.dumps(payload).encode())
-                assert r.status_code < 500, (route, payload, r.status_code, r.text[:300])
-                if r.status_code >= 400:
-                    err = r.json()["error"]
-                    assert err["message"] and err["code"] == r.status_code, r.text[:300]
-                elif payload.get("stream") is True:
-                    assert r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
-                codes[r.status_code] = codes.get(r.status_code, 0) + 1
+                send_and_check(client, route, payload, codes)
             one()
     print("schema fuzz status codes:", codes)
     assert sum(codes.values()) >= 1000 and codes.get(200, 0) > 400, codes

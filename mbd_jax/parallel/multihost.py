@@ -152,8 +152,9 @@ class EngineLeader:
                     share(("noop",))
                     self._last = time.monotonic()
 
-    def warmup(self) -> None:
-        self._call(("warmup",), self.engine.warmup)
+    def warmup(self, progress=None) -> None:
+        """The followers compile silently; `progress` reports process 0's steps."""
+        self._call(("warmup",), self.engine.warmup, progress)
 
     def empty_state(self):
         return self._call(("empty_state",), self.engine.empty_state)
