@@ -33,7 +33,7 @@ from mbd_jax.errors import UserError
 from mbd_jax.stop_strings import StopStrings
 from mbd_jax.serving import protocol
 from mbd_jax.serving.body import BodyError, parse_object
-from mbd_jax.serving.logprobs import TokenLogprobs
+from mbd_jax.serving.openai_response import Choices, voting_info
 from mbd_jax.serving.scheduler import Draining, EngineDown, QueueFull, Request, Scheduler
 
 log = logging.getLogger("mbd_jax.serving")
@@ -214,9 +214,9 @@ class Service:
         return self.cfg.generation.thinking_mode
 
     def decode_configs(self, req: Any, thinking: bool, count: int,
-                       max_field: str) -> tuple[list[DecodeConfig], bool]:
+                       max_field: str) -> tuple[list[DecodeConfig], str | None]:
         """`count` DecodeConfigs (server defaults + the request's settings), one per choice, and
-        whether the request set its token budget. Choice j of a seeded request uses seed + j;
+        the field that set the token budget (None: the server default). Choice j of a seeded request uses seed + j;
         an unseeded request gets fresh randomness per choice."""
         gen = self.cfg.generation
         base = dataclasses.asdict(self.cfg.decoding)
@@ -260,7 +260,7 @@ class Service:
             raise HTTPError(400, str(e), param=f"decoding.{field}" if field else "decoding") from None
         seeds = ([(d.seed + j) % 2**31 for j in range(count)] if seeded
                  else [secrets.randbelow(2**31) for _ in range(count)])
-        return [dataclasses.replace(d, seed=s) for s in seeds], budget is not None
+        return [dataclasses.replace(d, seed=s) for s in seeds], max_field if budget is not None else None
 
     def encode(self, prompt: str | list[int], param: str) -> list[int]:
         """Prompt text or token ids -> checked token ids."""
@@ -364,29 +364,6 @@ class ClientGone(Exception):
     """The client disconnected before its response was ready."""
 
 
-def usage(reqs: list[Request], results: list, prompt_of: list[int]) -> dict:
-    """OpenAI usage over all choices: each distinct prompt counted once (prompt_of[i] = the
-    prompt index of choice i), plus mbd-jax's decode forwards and tokens per forward."""
-    first = {p: i for i, p in reversed(list(enumerate(prompt_of)))}  # one choice per prompt
-    prompt = sum(results[i].prompt_tokens for i in first.values())
-    cached = sum(reqs[i].cached_tokens for i in first.values())
-    completion = sum(len(r.token_ids) for r in results)
-    nfe = sum(r.nfe for r in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}, "nfe": nfe,
-            "tokens_per_forward": round(sum(r.tokens_unmasked for r in results) / max(nfe, 1), 4)}
-
-
-def finish_reason(result) -> str:
-    return {"stop": "stop", "length": "length", "max_nfe": "length"}.get(result.finish_reason, "stop")
-
-
-def voting_info(result) -> dict:
-    return {} if result.vote_scores is None else {
-        "voting": {"answer": result.voted_answer, "final_answer": result.final_answer}}
-
-
 def request_id(request: HTTPRequest) -> str:
     """The client's X-Request-Id when it is a plain token, else a fresh one (never echo control
     bytes or unbounded text into headers and logs)."""
@@ -448,52 +425,27 @@ def build_apps(svc: Service, admin_port: bool = True) -> tuple[Starlette, Starle
 
     async def respond(request, req, prompts: list[list[int]], chat_format: bool) -> Response:
         """Runs req.n choices per prompt (choice index = prompt * n + j) and answers in the
-        OpenAI shape, streamed or not."""
-        thinking = svc.thinking(req)
-        n = req.n
-        decodes, explicit = svc.decode_configs(req, thinking, len(prompts) * n, "max_tokens")
-        if explicit:
-            budget = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) \
-                else "max_tokens"
+        OpenAI shape (openai_response.Choices), streamed or not."""
+        thinking, n = svc.thinking(req), req.n
+        decodes, budget = svc.decode_configs(req, thinking, len(prompts) * n, "max_tokens")
+        if budget is not None:  # an explicit token budget must fit beside every prompt
             for i, ids in enumerate(prompts):
                 svc.check_room(ids, decodes[0], "messages" if chat_format else
                                ("prompt" if len(prompts) == 1 else f"prompt[{i}]"), budget)
         if len(prompts) * n > svc.cfg.server.max_segments:
             raise HTTPError(400, f"{len(prompts)} prompts x n={n} is {len(prompts) * n} choices; "
                                  f"the limit is {svc.cfg.server.max_segments}", param="n")
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         prompt_of = [i // n for i in range(len(prompts) * n)]
         with_logprobs = protocol.wants_logprobs(req)
         reqs = await svc.start([prompts[p] for p in prompt_of], decodes, thinking, req.stop,
                                with_logprobs)
-        tokenizer = svc.scheduler.engine.tokenizer
-        logprobs = [TokenLogprobs(tokenizer, chat_format) if with_logprobs else None for _ in reqs]
-        created = int(time.time())
-        kind = "chat.completion" if chat_format else "text_completion"
-        split = chat_format and thinking  # reasoning_content apart from the answer
-
+        choices = Choices(reqs, prompt_of, chat_format=chat_format, thinking=thinking,
+                          logprobs=with_logprobs, tokenizer=svc.scheduler.engine.tokenizer,
+                          model_name=svc.model_name)
         if not req.stream:
             results = await unless_gone(request, reqs,
                                         asyncio.gather(*(svc.collect(r) for r in reqs)))
-            choices = []
-            for i, result in enumerate(results):
-                choice = {"index": i, "finish_reason": finish_reason(result), **voting_info(result)}
-                if chat_format or logprobs[i] is not None:
-                    choice["logprobs"] = logprobs[i] and logprobs[i].block(
-                        result.token_ids, result.logprobs or [], last=True)
-                if chat_format:
-                    message = {"role": "assistant", "content": result.text}
-                    if split:
-                        message["reasoning_content"], message["content"] = \
-                            chat.split_reasoning(result.text)
-                    choice["message"] = message
-                else:
-                    choice.update(text=result.text)
-                    choice.setdefault("logprobs", None)
-                choices.append(choice)
-            return JSONResponse({"id": reqs[0].id, "object": kind, "created": created,
-                                 "model": svc.model_name, "choices": choices,
-                                 "usage": usage(reqs, results, prompt_of)})
+            return JSONResponse(choices.body(results))
 
         events: asyncio.Queue = asyncio.Queue()  # (choice index, event) of every choice
 
@@ -522,54 +474,25 @@ def build_apps(svc: Service, admin_port: bool = True) -> tuple[Starlette, Starle
         if first[1][0] == "error":
             stop_all()
             raise engine_error(first[1][1], first[1][2])
-
-        def sse(choices: list[dict], **extra) -> str:
-            obj = {"id": reqs[0].id, "object": kind + ".chunk" if chat_format else kind,
-                   "created": created, "model": svc.model_name, "choices": choices, **extra}
-            return f"data: {json.dumps(obj)}\n\n"
-
-        reasoning = [chat.ReasoningStream() for _ in reqs] if split else None
-
-        def chunk(i: int, text: str | None, reason: str | None, extra: dict | None = None,
-                  tokens: tuple | None = None) -> str:
-            lp = None
-            if logprobs[i] is not None and tokens is not None:
-                lp = logprobs[i].block(*tokens)
-            if chat_format:
-                delta = {}
-                if text is not None and reasoning is not None:
-                    thought, answer = reasoning[i].push(text)
-                    if reason is not None:
-                        thought += reasoning[i].finish()[0]
-                    delta = {k: v for k, v in (("reasoning_content", thought),
-                                               ("content", answer)) if v}
-                elif text is not None:
-                    delta = {"content": text}
-                choice = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": lp}
-            else:
-                choice = {"index": i, "text": text or "", "finish_reason": reason, "logprobs": lp}
-            return sse([{**choice, **(extra or {})}])
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         async def stream():
             results: list = [None] * len(reqs)
             try:
-                if chat_format:  # OpenAI streams open with the assistant role
-                    for i in range(len(reqs)):
-                        yield sse([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                    "finish_reason": None}])
+                for line in choices.opening():
+                    yield line
                 i, event = first
                 while True:
                     if event[0] == "tokens":
-                        if event[2] or not chat_format or logprobs[i] is not None:
-                            yield chunk(i, event[2], None, tokens=(event[1], event[3] or []))
+                        line = choices.tokens(i, event[1], event[2], event[3])
+                        if line is not None:
+                            yield line
                     elif event[0] == "done":
                         results[i] = event[1]
-                        yield chunk(i, "" if chat_format and split else
-                                    (None if chat_format else ""),
-                                    finish_reason(event[1]), voting_info(event[1]))
+                        yield choices.done(i, event[1])
                         if all(r is not None for r in results):
                             if include_usage:
-                                yield sse([], usage=usage(reqs, results, prompt_of))
+                                yield choices.sse([], usage=choices.usage(results))
                             break
                     else:  # after the stream started: a typed error event
                         e = engine_error(event[1], event[2])
@@ -593,11 +516,11 @@ def build_apps(svc: Service, admin_port: bool = True) -> tuple[Starlette, Starle
             raise HTTPError(400, f"{len(req.segments)} segments; the limit is "
                                  f"{svc.cfg.server.max_segments}", param="segments")
         thinking = svc.thinking(req)
-        decodes, explicit = svc.decode_configs(req, thinking, len(req.segments), "max_new_tokens")
+        decodes, budget = svc.decode_configs(req, thinking, len(req.segments), "max_new_tokens")
         ids = [svc.encode(s, f"segments[{i}]") for i, s in enumerate(req.segments)]
-        if explicit:
+        if budget is not None:
             for i, p in enumerate(ids):
-                svc.check_room(p, decodes[0], f"segments[{i}]", "max_new_tokens")
+                svc.check_room(p, decodes[0], f"segments[{i}]", budget)
         reqs = await svc.start(ids, decodes, thinking, req.stop)  # all segments batched together
         results = await unless_gone(request, reqs, asyncio.gather(
             *(svc.collect(r) for r in reqs), return_exceptions=True))
