@@ -42,10 +42,6 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # what an X-Request-Id may
 OPENAPI = protocol.openapi("mbd-jax", "0.1.0")
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _shown(text: str, limit: int = 64) -> str:
     """A client-supplied name as error messages quote it: at most `limit` characters."""
     return text if len(text) <= limit else text[:limit] + "..."
@@ -234,7 +230,7 @@ class Service:
         elif "max_new_tokens" in overrides:
             max_field = "decoding.max_new_tokens"
         requested = overrides.get("max_new_tokens")
-        if _is_int(requested) and requested > limit:
+        if protocol.is_int(requested) and requested > limit:
             raise HTTPError(400, f"{max_field} must be at most {limit} on this server"
                                  + (" for thinking requests" if thinking else ""), param=max_field)
         for name in ("temperature", "top_p"):
@@ -243,7 +239,7 @@ class Service:
         if req.top_k is not None:
             overrides["top_k"] = max(req.top_k, 0)  # -1 and 0 both mean no limit
         nfe = overrides.get("max_nfe")
-        if _is_int(nfe) and nfe > gen.max_nfe_limit:
+        if protocol.is_int(nfe) and nfe > gen.max_nfe_limit:
             raise HTTPError(400, f"field 'max_nfe' must be at most {gen.max_nfe_limit} on this "
                                  "server", param="decoding.max_nfe")
         if req.seed is not None:

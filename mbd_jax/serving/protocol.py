@@ -36,7 +36,8 @@ def _one_of(check, schema: dict):
     return Annotated[Any, BeforeValidator(check), WithJsonSchema(schema)]
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
+    """An int that is not a bool (JSON true is not 1)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -48,9 +49,9 @@ def _check_prompt(v: Any) -> str | list[str] | list[list[int]]:
         raise ValueError(what + (" (not empty)" if isinstance(v, list) else ""))
     if all(isinstance(p, str) for p in v):
         return v
-    if all(_is_int(t) for t in v):
+    if all(is_int(t) for t in v):
         return [v]
-    if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in v):
+    if all(isinstance(p, list) and p and all(is_int(t) for t in p) for p in v):
         return v
     raise ValueError(what)
 
@@ -120,7 +121,7 @@ def _check_completion_logprobs(v: Any) -> int | None:
     log-probabilities; alternatives are not recorded."""
     if v is None or v is False:
         return None
-    if v is True or (_is_int(v) and v == 0):
+    if v is True or (is_int(v) and v == 0):
         return 0
     raise ValueError("must be 0 (the chosen tokens' log-probabilities) or null; alternatives "
                      "to the chosen tokens are not recorded")
