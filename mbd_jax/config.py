@@ -480,10 +480,12 @@ class ServerConfig:
     max_engine_failures: int = 3  # engine failures in a row (no call succeeding) before it exits
 
     def validate(self, where: str = "server") -> None:
-        _check(self.admin_port >= 0, where, f"field 'admin_port' must be >= 0, got {self.admin_port}")
+        _check(1 <= self.port <= 65535, where, f"field 'port' must be in [1, 65535], got {self.port}")
+        _check(0 <= self.admin_port <= 65535, where,
+               f"field 'admin_port' must be in [0, 65535] (0: none), got {self.admin_port}")
         _check(self.served_model_name is None or 0 < len(self.served_model_name) <= 256, where,
                "field 'served_model_name' must be 1 to 256 characters")
-        for f in ("port", "max_batch_size", "buffer_size", "prefill_chunk",
+        for f in ("max_batch_size", "buffer_size", "prefill_chunk",
                   "steps_per_call", "queue_size", "queue_timeout_ms", "generation_timeout_ms",
                   "max_body_bytes", "max_segments", "rate_limit_burst", "auth_failures_per_min",
                   "max_connections", "keep_alive_s", "max_engine_failures"):

@@ -79,3 +79,8 @@ def test_serve_settings_from_the_environment_sit_between_the_file_and_the_comman
     assert "MBD_GENERATION_MAX_NEW_TOKENS_LIMIT" in serve_env_names()
     with pytest.raises(ConfigError, match="field 'port' must be int.*MBD_SERVER_PORT"):
         load_serve_config(path, env={"MBD_SERVER_PORT": "eighty"})
+    # a port the socket layer cannot take is named here, not an OverflowError at bind time
+    with pytest.raises(ConfigError, match=r"field 'admin_port' must be in \[0, 65535\]"):
+        load_serve_config(path, **{"server.admin_port": 70000})
+    with pytest.raises(ConfigError, match=r"field 'port' must be in \[1, 65535\]"):
+        load_serve_config(path, env={"MBD_SERVER_PORT": "0"})
