@@ -18,6 +18,7 @@ import numpy as np
 from mbd_jax import compile_stats
 from mbd_jax.config import DecodeConfig, ModelConfig
 from mbd_jax.engine import Engine
+from mbd_jax.model import layout
 
 
 def matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
@@ -54,26 +55,30 @@ def peak_memory_mb() -> float:
 def bench_decode(cfg: ModelConfig, params: Any, *, batch: int, prompt_len: int, new_tokens: int,
                  buffer_sizes: list[int], decode: DecodeConfig, repeats: int, seed: int = 0,
                  prefill_chunk: int = 256, moe_impls: list[str] | None = None,
-                 mesh=None, progress=None) -> dict[str, Any]:
-    """Every (expert path, buffer size) on the same prompts, in this process, on `mesh`;
-    `progress` (a callable taking a message) hears about each variant as it starts."""
+                 layer_loops: list[str] | None = None, mesh=None,
+                 progress=None) -> dict[str, Any]:
+    """Every (expert path, layer loop, buffer size) on the same prompts, in this process, on
+    `mesh`; `params` are in `cfg`'s layout; `progress` (a callable taking a message) hears about
+    each variant as it starts."""
     rng = np.random.default_rng(seed)
     banned = {cfg.mask_token_id, *cfg.eos_token_ids}
     allowed = np.array([i for i in range(cfg.vocab_size) if i not in banned], np.int32)
     prompts = [rng.choice(allowed, prompt_len).tolist() for _ in range(batch)]
     gflops = matmul_gflops()
     rows = []
-    variants = [(impl, n) for impl in (moe_impls or [cfg.moe_impl]) for n in buffer_sizes]
+    variants = [(impl, loop, n) for impl in (moe_impls or [cfg.moe_impl])
+                for loop in (layer_loops or [cfg.layer_loop]) for n in buffer_sizes]
     base_cfg = cfg
-    for i, (impl, n_buf) in enumerate(variants):
+    for i, (impl, loop, n_buf) in enumerate(variants):
         if progress is not None:
-            progress(f"variant {i + 1}/{len(variants)}: moe_impl {impl}, N_buf {n_buf} "
-                     f"(compile, then {repeats} timed runs)")
-        cfg = dataclasses.replace(base_cfg, moe_impl=impl)
+            progress(f"variant {i + 1}/{len(variants)}: moe_impl {impl}, layer loop {loop}, "
+                     f"N_buf {n_buf} (compile, then {repeats} timed runs)")
+        cfg = dataclasses.replace(base_cfg, moe_impl=impl, layer_loop=loop)
         d = dataclasses.replace(decode, buffer_size=n_buf, max_new_tokens=new_tokens)
+        variant_params = layout.relayout(params, base_cfg, cfg)
         c0, s0 = compile_stats.compiles(), compile_stats.compile_seconds()
         t0 = time.perf_counter()
-        engine = Engine(cfg, params, batch_size=batch, buffer_size=n_buf,
+        engine = Engine(cfg, variant_params, batch_size=batch, buffer_size=n_buf,
                         prefill_chunk=min(prefill_chunk, cfg.max_seq_len), mesh=mesh)
         engine.warmup(progress)
         warm_s = time.perf_counter() - t0
@@ -97,6 +102,7 @@ def bench_decode(cfg: ModelConfig, params: Any, *, batch: int, prompt_len: int, 
         flops = step_flops(cfg, batch, n_buf * cfg.block_size, context)
         rows.append({
             "moe_impl": impl,
+            "layer_loop": layout.resolve_loop(loop),
             "buffer_size": n_buf,
             "tokens_per_s": statistics.median(tok_s),
             "tpf": statistics.median(tpf),
@@ -129,7 +135,7 @@ def format_table(report: dict[str, Any]) -> str:
             f"{report['prompt_len']}, new {report['new_tokens']}, {report['backend']}, matmul "
             f"{report['matmul_gflops']:.0f} GFLOP/s, mesh "
             f"{','.join(f'{k}={v}' for k, v in report['mesh'].items())}")
-    cols = ["moe_impl", "buffer_size", "tokens_per_s", "tpf", "bubble_share", "step_ms", "compile_s",
+    cols = ["moe_impl", "layer_loop", "buffer_size", "tokens_per_s", "tpf", "bubble_share", "step_ms", "compile_s",
             "achieved_gflops", "utilisation", "peak_memory_mb", "compiles_after_warmup"]
     lines = [head, " ".join(f"{c:>14}" for c in cols)]
     for r in report["rows"]:

@@ -31,10 +31,14 @@ class LoadedModel:
     path: pathlib.Path
 
 
-def save_model(out_dir: str | pathlib.Path, cfg: ModelConfig, params: Any) -> pathlib.Path:
-    """Writes config.yaml and params/ (orbax) into out_dir. Sharded parameters are written shard
-    by shard, each process its own (call it on every process of a multi-process job)."""
+def save_model(out_dir: str | pathlib.Path, cfg: ModelConfig, params: Any, *,
+               canonical: bool = False) -> pathlib.Path:
+    """Writes config.yaml and params/ (orbax, canonical layout: model/layout.py) into out_dir;
+    `params` is in `cfg`'s runtime layout, or canonical already with `canonical`. Sharded parameters are written shard by shard, each
+    process its own (call it on every process of a multi-process job)."""
     import orbax.checkpoint as ocp
+
+    from mbd_jax.model import layout
 
     out = pathlib.Path(out_dir).absolute()
     out.mkdir(parents=True, exist_ok=True)
@@ -43,6 +47,8 @@ def save_model(out_dir: str | pathlib.Path, cfg: ModelConfig, params: Any) -> pa
         d["eos_token_ids"] = list(d["eos_token_ids"])
         (out / "config.yaml").write_text(yaml.safe_dump(d, sort_keys=False))
     ckpt = ocp.StandardCheckpointer()
+    if not canonical:
+        params = layout.convert(params, cfg, layout.to_canonical)
     ckpt.save(out / "params", params, force=True)
     ckpt.wait_until_finished()
     return out
@@ -81,17 +87,21 @@ def verify_manifest(model_dir: pathlib.Path) -> None:
 def _restore_params(path: pathlib.Path, cfg: ModelConfig, mesh: Mesh) -> Any:
     """Each device reads its own shards of params/ straight into place (the target carries the
     mesh's shardings): no process holds a full host copy, and any mesh shape can read a
-    checkpoint written under any other."""
+    checkpoint written under any other. The canonical tree on disk is then stacked into `cfg`'s
+    runtime layout when it scans its layers (both copies are alive while that runs)."""
     import orbax.checkpoint as ocp
+
+    from mbd_jax.model import layout
 
     if not (path / "params").is_dir():
         raise ConfigError(f"model {path}: config.yaml says init: checkpoint but params/ is missing")
-    target = meshlib.abstract_params(cfg, mesh)
+    target = meshlib.abstract_params(layout.canonical(cfg), mesh)
     try:
-        return ocp.StandardCheckpointer().restore((path / "params").absolute(), target)
+        params = ocp.StandardCheckpointer().restore((path / "params").absolute(), target)
     except Exception as e:  # orbax/tensorstore raise many types for a damaged checkpoint
         raise ConfigError(f"model {path}: params/ cannot be restored against config.yaml "
                           f"({type(e).__name__}: {str(e)[:300]})") from None
+    return layout.convert(params, cfg, layout.to_runtime, meshlib.param_shardings(cfg, mesh))
 
 
 def load_model(model: str, *, with_weights: bool = True, random_weights: bool = False,

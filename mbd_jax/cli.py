@@ -58,13 +58,16 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     without editing it (its checksum covers it)."""
     import typing
 
-    from mbd_jax.config import AttentionImpl, DType, MoeImpl
+    from mbd_jax.config import AttentionImpl, DType, LayerLoop, MoeImpl
 
     g = p.add_argument_group("runtime settings (default: the model's config)")
     g.add_argument("--moe-impl", choices=typing.get_args(MoeImpl),
                    help="expert path; auto = looped on CPU, ragged_dot elsewhere")
     g.add_argument("--attention-impl", choices=typing.get_args(AttentionImpl))
     g.add_argument("--attention-chunk", type=int, help="keys per online-softmax chunk")
+    g.add_argument("--layer-loop", choices=typing.get_args(LayerLoop),
+                   help="scan: one compiled layer per run of identical layers; auto = unrolled "
+                        "on CPU, scan elsewhere")
     g.add_argument("--compute-dtype", choices=typing.get_args(DType))
     g.add_argument("--max-model-len", dest="max_seq_len", type=int,
                    help="context length to serve (at most the model's; a smaller KV buffer; a "
@@ -174,18 +177,23 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
                         "not used here")
     import typing
 
-    from mbd_jax.config import MoeImpl
+    from mbd_jax.config import LayerLoop, MoeImpl
 
-    impls = args.moe_impl.split(",") if args.moe_impl else None
-    for impl in impls or []:
-        if impl not in typing.get_args(MoeImpl):
-            raise UserError(f"--moe-impl {impl!r}: expected a comma-separated list of "
-                            f"{', '.join(typing.get_args(MoeImpl))}")
+    def choices(flag: str, value: str | None, allowed: tuple[str, ...]) -> list[str] | None:
+        items = value.split(",") if value else None
+        for item in items or []:
+            if item not in allowed:
+                raise UserError(f"{flag} {item!r}: expected a comma-separated list of "
+                                f"{', '.join(allowed)}")
+        return items
+
+    impls = choices("--moe-impl", args.moe_impl, typing.get_args(MoeImpl))
+    loops = choices("--layer-loop", args.layer_loop, typing.get_args(LayerLoop))
     mesh = multihost.mesh_from_args(args)
     model = load_model(args.model, random_weights=args.random_weights, mesh=mesh)
     report = bench_decode(model.cfg, model.params, batch=args.batch, prompt_len=args.prompt_len,
                           new_tokens=args.new_tokens, buffer_sizes=sizes, decode=decode,
-                          repeats=args.repeats, moe_impls=impls, mesh=mesh,
+                          repeats=args.repeats, moe_impls=impls, layer_loops=loops, mesh=mesh,
                           progress=_progress if multihost.is_leader() else None)
     if not multihost.is_leader():
         return 0
@@ -348,6 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--repeats", type=int, default=3)
     d.add_argument("--moe-impl", help="expert paths to compare, e.g. dense,tiled,auto (default: "
                                       "the model's)")
+    d.add_argument("--layer-loop", help="layer loops to compare, e.g. unrolled,scan (default: the "
+                                        "model's)")
     d.add_argument("--json", action="store_true")
     _add_decode_flags(d, buffer_size_list=True)
     multihost.add_launch_flags(d)

@@ -36,6 +36,10 @@ SHIPPED_MODEL_DIR = DATA_ROOT / "models"  # trained models shipped with mbd-jax 
 RouterType = Literal["softmax_topk", "sigmoid_grouped"]
 MoeImpl = Literal["auto", "dense", "ragged", "tiled", "looped"]  # auto: chosen per backend (model/moe.py)
 AttentionImpl = Literal["chunked", "dense"]
+# How the layers run: one lax.scan per run of identical layers (compile time and program size
+# flat in depth) or unrolled (XLA CPU copies each scanned layer's weight slice); auto: per backend
+# (model/layout.py)
+LayerLoop = Literal["auto", "scan", "unrolled"]
 DType = Literal["float32", "bfloat16", "float16"]
 
 
@@ -179,6 +183,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     attention_impl: AttentionImpl = "chunked"
     attention_chunk: int = 256  # keys per online-softmax chunk in the chunked path
+    layer_loop: LayerLoop = "auto"
     tie_word_embeddings: bool = False
     # Block diffusion.
     max_seq_len: int = 4096
@@ -278,6 +283,7 @@ class RuntimeConfig:
     moe_impl: MoeImpl | None = None
     attention_impl: AttentionImpl | None = None
     attention_chunk: int | None = None
+    layer_loop: LayerLoop | None = None
     compute_dtype: DType | None = None
     max_seq_len: int | None = None  # serve a shorter context than the model's (a smaller KV buffer)
 

@@ -318,9 +318,10 @@ def convert(src: str | pathlib.Path, dst: str | pathlib.Path, *, family: str = "
     # Preallocate every parameter (shapes from the model definition), then fill tensor by tensor.
     import jax
 
+    from mbd_jax.model import layout
     from mbd_jax.model.transformer import init_params
 
-    shapes = jax.eval_shape(lambda: init_params(cfg))
+    shapes = jax.eval_shape(lambda: init_params(layout.canonical(cfg)))
     params = jax.tree.map(lambda s: np.empty(s.shape, np_dtype), shapes)
     seen = {k: False for k in _paths(params)}
     plan = list(_plan(cfg, family, set(source.names)))
@@ -370,7 +371,7 @@ def convert(src: str | pathlib.Path, dst: str | pathlib.Path, *, family: str = "
                 tokenizer_name = name
     cfg = dataclasses.replace(cfg, tokenizer=tokenizer_name)
     _to_device_in_place(params)  # orbax would otherwise copy every numpy leaf at once
-    save_model(dst, cfg, params)
+    save_model(dst, cfg, params, canonical=True)
     return write_manifest(dst, {
         "converter_version": CONVERTER_VERSION, "source": str(src.resolve()), "family": family,
         "dtype": dtype, "parameters": int(sum(a.size for a in jax.tree.leaves(params))),

@@ -264,7 +264,7 @@ def test_llada2_attention_matches_numpy(llada):
     x = np.random.default_rng(4).normal(size=(11, LLADA["hidden_size"]))
     pos = jnp.arange(11)[None]
     got, _ = Attention(loaded.cfg).apply({"params": loaded.params["layer_0"]["attn"]},
-                                         jnp.asarray(x[None], jnp.float32), pos, None, None, None,
+                                         jnp.asarray(x[None], jnp.float32), pos, None, None, None, None,
                                          block_causal_mask(pos, BLOCK))
     want = np_llada_attention(sd, 0, x, LLADA)
     np.testing.assert_allclose(np.asarray(got[0]), want, atol=1e-4, rtol=1e-4)

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mbd_jax.kv import KVCache
 from mbd_jax.model import layers
 
 
@@ -35,11 +36,15 @@ def test_chunked_attention_equals_dense_over_the_buffer():
     q = jnp.asarray(rng.normal(size=(b, t, h, dh)), jnp.float32)
     kb = jnp.asarray(rng.normal(size=(b, s, k, dh)), jnp.float32)
     vb = jnp.asarray(rng.normal(size=(b, s, k, dh)), jnp.float32)
+    # The buffer holds two layers; layer 1 is kb / vb, layer 0 is noise that must not be read.
+    noise = jnp.asarray(rng.normal(size=(b, s, k, dh)), jnp.float32)
+    kv = KVCache(k=jnp.stack([noise, kb]), v=jnp.stack([noise, vb]))
     start = np.array([0, 40, 96])  # rows at different offsets; last one spans 3 chunks
     pos = jnp.asarray(start[:, None] + np.arange(t))
     visible = jnp.asarray(start + t)
     dense = layers.dense_attention(q, kb, vb, layers.block_causal_visible(pos, jnp.arange(s), visible, blk))
-    chunked = jax.jit(layers.chunked_attention, static_argnums=(5, 6))(q, kb, vb, pos, visible, blk, chunk)
+    chunked = jax.jit(layers.chunked_attention, static_argnums=(5, 6))(q, kv, jnp.int32(1), pos,
+                                                                        visible, blk, chunk)
     np.testing.assert_allclose(np.asarray(chunked), np.asarray(dense), atol=1e-5)
     # And dense against a direct NumPy softmax for one query.
     bi, ti, hi = 2, 3, 1
@@ -52,12 +57,16 @@ def test_chunked_attention_equals_dense_over_the_buffer():
     np.testing.assert_allclose(np.asarray(dense[bi, ti, hi]), w @ np.asarray(vb[bi, :n_vis, hi // 2]), atol=1e-5)
 
 
-def test_write_rows_writes_each_row_at_its_offset():
-    buf = jnp.zeros((2, 16, 1), jnp.float32)
-    new = jnp.ones((2, 3, 1), jnp.float32) * jnp.array([1.0, 2.0])[:, None, None]
-    out = np.asarray(layers.write_rows(buf, new, jnp.array([0, 5])))[..., 0]
-    assert out[0].tolist() == [1, 1, 1] + [0] * 13
-    assert out[1].tolist() == [0] * 5 + [2, 2, 2] + [0] * 8
+def test_kv_write_puts_each_row_at_its_offset_in_one_layer():
+    zeros = jnp.zeros((3, 2, 16, 1, 1), jnp.float32)  # [L, B, S, K, Dh]
+    new = jnp.ones((2, 3, 1, 1), jnp.float32) * jnp.array([1.0, 2.0])[:, None, None, None]
+    kv = jax.jit(KVCache.write)(KVCache(k=zeros, v=zeros), jnp.int32(1), new, -new,
+                                jnp.array([0, 5]))
+    k, v = np.asarray(kv.k)[..., 0, 0], np.asarray(kv.v)[..., 0, 0]
+    assert k[1, 0].tolist() == [1, 1, 1] + [0] * 13
+    assert k[1, 1].tolist() == [0] * 5 + [2, 2, 2] + [0] * 8
+    np.testing.assert_array_equal(v[1], -k[1])
+    assert not k[[0, 2]].any() and not v[[0, 2]].any()  # other layers untouched
 
 
 def test_every_parameter_carries_logical_axes(cfg, params):

@@ -37,14 +37,16 @@ FORWARD = textwrap.dedent("""
     from tests.conftest import tiny_cfg
     assert jax.device_count() == 8
     out = []
-    # Every mesh shape for one path; two shapes (expert alone, expert with tensor) for the others.
+    # Every mesh shape for one path; two shapes (expert alone, expert with tensor) for the others;
+    # the tiled rows scan their layers (stacked parameters and shard_map inside the scan).
     for router, impl, shapes in (
             ("sigmoid_grouped", "ragged", ((1, 1, 8), (1, 8, 1), (2, 2, 2), (1, 4, 2))),
             ("softmax_topk", "tiled", ((1, 8, 1), (2, 2, 2))),
             ("softmax_topk", "looped", ((1, 8, 1), (1, 4, 2)))):
         grouped = router == "sigmoid_grouped"
         cfg = tiny_cfg(router=router, moe_impl=impl, num_heads=8, num_kv_heads=8,
-                       n_group=4 if grouped else 1, topk_group=2 if grouped else 1)
+                       n_group=4 if grouped else 1, topk_group=2 if grouped else 1,
+                       layer_loop="scan" if impl == "tiled" else "unrolled")
         params = init_params(cfg)
         rng = np.random.default_rng(0)
         tokens = rng.integers(5, cfg.vocab_size, size=(2, 24)).astype(np.int32)
@@ -59,14 +61,16 @@ FORWARD = textwrap.dedent("""
                                                                     mask=mask)[0])
             got = np.asarray(fwd(sharded, tokens, pos))
             hlo = fwd.lower(sharded, tokens, pos).compile().as_text()
-            experts = sharded["layer_1"]["moe"]["experts_up"]
-            q = sharded["layer_0"]["attn"]["q_proj"]
-            kv = meshlib.kv_sharding(cfg, m, 2, 64)
+            # per-layer shapes (a scanned run stacks its layers on a leading axis)
+            experts = (sharded.get("layer_1") or sharded["layers_1_3"])["moe"]["experts_up"]
+            q = (sharded.get("layer_0") or sharded["layers_0_1"])["attn"]["q_proj"]
+            kv = meshlib.kv_shardings(cfg, m, 2, 64).k
             out.append({"router": router, "impl": impl, "mesh": shape, "err": float(np.abs(got - ref).max()),
-                        "experts_local": list(experts.addressable_shards[0].data.shape),
-                        "experts_global": list(experts.shape),
-                        "q_local": list(q.addressable_shards[0].data.shape),
-                        "kv_local": list(kv.shard_shape((2, 64, cfg.num_kv_heads, cfg.head_dim))),
+                        "experts_local": list(experts.addressable_shards[0].data.shape)[-3:],
+                        "experts_global": list(experts.shape)[-3:],
+                        "q_local": list(q.addressable_shards[0].data.shape)[-3:],
+                        "kv_local": list(kv.shard_shape((cfg.num_layers, 2, 64, cfg.num_kv_heads,
+                                                         cfg.head_dim))),
                         "hidden": cfg.hidden_size,
                         "all_reduce": re.findall(r"= (f32\\[[0-9,]+\\])[^ ]* all-reduce\\(", hlo),
                         "all_gather": re.findall(r"= (f32\\[[0-9,]+\\])[^ ]* all-gather\\(", hlo)})
@@ -87,7 +91,7 @@ def test_expert_parallel_forward_equals_unsharded_on_8_cpu_devices():
         e, d, f = row["experts_global"]
         assert row["experts_local"] == [e // expert, d, f // tensor], row
         assert row["q_local"][1] == 8 // tensor, row  # heads split on tensor
-        assert row["kv_local"] == [2 // data, 64, 8 // tensor, 16], row
+        assert row["kv_local"] == [3, 2 // data, 64, 8 // tensor, 16], row
         size = lambda shape: math.prod(int(n) for n in shape[4:-1].split(","))  # noqa: E731
         assert 2 * 24 // data * row["hidden"] in map(size, row["all_reduce"]), row  # the combine
         for shape in row["all_gather"]:  # routing logits may be gathered, expert weights never
@@ -104,28 +108,33 @@ ENGINE = textwrap.dedent("""
     prompts = [[1, 20, 31, 42, 53, 64, 75], [1, 9, 8, 7], [1, 100, 200, 300, 33, 44, 55, 66, 77],
                [1, 5]]
     decode = DecodeConfig(buffer_size=2, max_new_tokens=24)
-    def run(mesh):
-        model = load_model("tiny-mbd", mesh=mesh)
+    def run(mesh, loop="unrolled"):
+        model = load_model("tiny-mbd", mesh=mesh, runtime={"layer_loop": loop})
         engine = Engine(model.cfg, model.params, batch_size=4, buffer_size=2, mesh=mesh)
         engine.warmup()
         first = [r.token_ids for r in engine.generate(prompts, decode)]
         c0 = compile_stats.compiles()
         again = [r.token_ids for r in engine.generate(prompts[::-1], decode)][::-1]
-        experts = engine.params["layer_1"]["moe"]["experts_up"]
+        layer_1 = engine.params.get("layer_1") or engine.params["layers_1_4"]  # scan: stacked
+        experts = layer_1["moe"]["experts_up"]
         return {"tokens": first, "again": again, "compiles": compile_stats.compiles() - c0,
-                "kv_local": list(engine.kv.k[0].addressable_shards[0].data.shape),
-                "kv_global": list(engine.kv.k[0].shape),
-                "experts_local": list(experts.addressable_shards[0].data.shape)}
+                "kv_local": list(engine.kv.k.addressable_shards[0].data.shape),
+                "kv_global": list(engine.kv.k.shape),
+                "experts_local": list(experts.addressable_shards[0].data.shape)[-3:]}
     out = {"one": run(None)}
     for spec in ("expert=8", "data=2,expert=2,tensor=2"):
         out[spec] = run(meshlib.make_mesh(meshlib.parse_mesh(spec)))
+    # the layers scanned: the checkpoint restored shard by shard, then stacked under the mesh
+    out["scan: data=2,expert=2,tensor=2"] = run(
+        meshlib.make_mesh(meshlib.parse_mesh("data=2,expert=2,tensor=2")), "scan")
     print(json.dumps(out))
 """)
 
 
 def test_sharded_engine_generates_the_same_tokens():
     """The shipped tiny-mbd generates identical tokens on two 8-device meshes as on one device,
-    with its KV buffer and experts split and nothing compiled after warm-up."""
+    with its layers unrolled or scanned, its KV buffer and experts split and nothing compiled
+    after warm-up."""
     out = run_on_8_cpu_devices(ENGINE)
     one = out.pop("one")
     assert any(len(t) > 4 for t in one["tokens"])
@@ -133,9 +142,9 @@ def test_sharded_engine_generates_the_same_tokens():
         assert got["tokens"] == one["tokens"], spec
         assert got["again"] == one["tokens"], spec
         assert got["compiles"] == 0, spec
-        sizes = meshlib.parse_mesh(spec, 8)
-        b, s, k, dh = got["kv_global"]  # tiny-moe: 2 KV heads, 8 experts of width 128
-        assert got["kv_local"] == [b // sizes["data"], s, k // sizes["tensor"], dh], spec
+        sizes = meshlib.parse_mesh(spec.removeprefix("scan: "), 8)
+        n, b, s, k, dh = got["kv_global"]  # tiny-moe: 2 KV heads, 8 experts of width 128
+        assert got["kv_local"] == [n, b // sizes["data"], s, k // sizes["tensor"], dh], spec
         assert got["experts_local"] == [8 // sizes["expert"], 128, 128 // sizes["tensor"]], spec
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from mbd_jax.kv import KVCache
+
 NEG_INF = -1e30  # finite "minus infinity": fully masked rows stay finite (no NaN from exp/div)
 
 
@@ -65,19 +67,19 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
     return out.reshape(b, t, h, dh).astype(q.dtype)
 
 
-def chunked_attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, q_pos: jax.Array,
+def chunked_attention(q: jax.Array, kv: KVCache, layer, q_pos: jax.Array,
                       visible_len: jax.Array, block_size: int, chunk: int) -> jax.Array:
-    """Block-causal attention over a KV buffer, reading only the used prefix.
+    """Block-causal attention over one layer of the KV buffer, reading only the used prefix.
 
     An online-softmax loop over `chunk`-sized key slices; its trip count is
     ceil(max(visible_len) / chunk), a traced value, so the cost follows the longest visible row and
     not the buffer's size, and one compiled program serves every length.
 
-    q: [B, T, H, Dh]; k_buf, v_buf: [B, S_max, K, Dh] with S_max % chunk == 0; q_pos: [B, T];
-    visible_len: [B]. Returns [B, T, H, Dh].
+    q: [B, T, H, Dh]; kv: the buffer (capacity % chunk == 0); layer: int, may be traced;
+    q_pos: [B, T]; visible_len: [B]. Returns [B, T, H, Dh].
     """
     b, t, h, dh = q.shape
-    s_max, kh = k_buf.shape[1], k_buf.shape[2]
+    s_max, kh = kv.capacity, kv.k.shape[3]
     g = h // kh
     qg = q.reshape(b, t, kh, g, dh)
     scale = dh ** -0.5
@@ -88,16 +90,17 @@ def chunked_attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, q_pos: j
     def body(i, carry):
         m, l, acc = carry  # m, l: [B, K, G, T]; acc: [B, K, G, T, Dh]
         start = i * chunk
-        ks = jax.lax.dynamic_slice_in_dim(k_buf, start, chunk, axis=1)
-        vs = jax.lax.dynamic_slice_in_dim(v_buf, start, chunk, axis=1)
+        ks, vs = kv.chunk(layer, start, chunk)  # [B, chunk, K, Dh]
         mask = block_causal_visible(q_pos, start + jnp.arange(chunk), visible_len, block_size)
-        s = jnp.einsum("btkgd,bskd->bkgts", qg, ks, preferred_element_type=jnp.float32) * scale
+        s = jnp.einsum("btkgd,bskd->bkgts", qg, ks.astype(q.dtype),
+                       preferred_element_type=jnp.float32) * scale
         s = jnp.where(mask[:, None, None], s, NEG_INF)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.where(mask[:, None, None], jnp.exp(s - m_new[..., None]), 0.0)
         corr = jnp.exp(m - m_new)
         l = l * corr + jnp.sum(p, axis=-1)
-        acc = acc * corr[..., None] + jnp.einsum("bkgts,bskd->bkgtd", p.astype(vs.dtype), vs,
+        acc = acc * corr[..., None] + jnp.einsum("bkgts,bskd->bkgtd", p.astype(q.dtype),
+                                                 vs.astype(q.dtype),
                                                  preferred_element_type=jnp.float32)
         return m_new, l, acc
 
@@ -106,20 +109,6 @@ def chunked_attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, q_pos: j
     _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
     out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]  # rows that see nothing (padding) stay finite
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, dh).astype(q.dtype)
-
-
-def write_rows(buf: jax.Array, new: jax.Array, offset: jax.Array) -> jax.Array:
-    """Writes new[b] into buf[b, offset[b]:offset[b]+T] for every row; in place when buf is donated.
-
-    buf: [B, S_max, ...]; new: [B, T, ...]; offset: [B]. The caller guarantees offset + T <= S_max
-    (dynamic_update_slice would clamp, and silently overwrite earlier positions, otherwise).
-    """
-
-    def one(row_buf, row_new, off):
-        start = (off,) + (0,) * (row_buf.ndim - 1)
-        return jax.lax.dynamic_update_slice(row_buf, row_new.astype(row_buf.dtype), start)
-
-    return jax.vmap(one)(buf, new, offset)
 
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:

@@ -7,6 +7,10 @@ over the buffer with the block-causal rule on absolute positions, bounded by `vi
 Without one (`kv=None`), the layers attend over the T tokens themselves under an explicit
 `mask[B, T, T]` (training, and the full-sequence reference in tests).
 
+The layers run unrolled or as one nn.scan per run of identical layers (model/layout.py); either
+way each layer gets its index and the carry (x, kv), so the KV buffer is one array for all
+layers, written in place at [layer, row, offset].
+
 With a device `mesh` of more than one device, the routed experts run expert-parallel inside
 shard_map (parallel/expert.py); everything else is partitioned by XLA from the parameter and
 KV-buffer shardings (parallel/mesh.py).
@@ -23,10 +27,8 @@ from jax.sharding import Mesh
 
 from mbd_jax.config import ModelConfig
 from mbd_jax.kv import KVCache
-from mbd_jax.model import layers, moe
+from mbd_jax.model import layers, layout, moe
 from mbd_jax.parallel.expert import sharded_experts
-
-LayerKV = tuple[jax.Array, jax.Array]  # (k, v), each [B, S_max, K, Dh]
 
 
 def _param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
@@ -45,7 +47,7 @@ class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, positions, layer_kv: LayerKV | None, write_offset, visible_len, mask):
+    def __call__(self, x, positions, kv: KVCache | None, layer, write_offset, visible_len, mask):
         cfg = self.cfg
         dt = jnp.dtype(cfg.compute_dtype)
         d, h, kh, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -64,22 +66,19 @@ class Attention(nn.Module):
         q = layers.apply_rope(q, positions, cfg.rope_theta, cfg.rotary_dim)
         k = layers.apply_rope(k, positions, cfg.rope_theta, cfg.rotary_dim)
 
-        if layer_kv is None:  # explicit-mask path over the T tokens themselves
+        if kv is None:  # explicit-mask path over the T tokens themselves
             out = layers.dense_attention(q, k, v, mask)
-            new_kv = None
         else:  # write into the buffer, then attend over it
-            k_buf = layers.write_rows(layer_kv[0], k, write_offset)
-            v_buf = layers.write_rows(layer_kv[1], v, write_offset)
+            kv = kv.write(layer, k, v, write_offset)
             if cfg.attention_impl == "chunked":
-                out = layers.chunked_attention(q, k_buf, v_buf, positions, visible_len,
-                                               cfg.block_size, min(cfg.attention_chunk,
-                                                                   k_buf.shape[1]))
+                out = layers.chunked_attention(q, kv, layer, positions, visible_len,
+                                               cfg.block_size, min(cfg.attention_chunk, kv.capacity))
             else:
-                visible = layers.block_causal_visible(positions, jnp.arange(k_buf.shape[1]),
+                k_all, v_all = kv.chunk(layer, 0, kv.capacity)
+                visible = layers.block_causal_visible(positions, jnp.arange(kv.capacity),
                                                       visible_len, cfg.block_size)
-                out = layers.dense_attention(q, k_buf.astype(dt), v_buf.astype(dt), visible)
-            new_kv = (k_buf, v_buf)
-        return jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), new_kv
+                out = layers.dense_attention(q, k_all.astype(dt), v_all.astype(dt), visible)
+        return jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), kv
 
 
 class DenseMLP(nn.Module):
@@ -129,25 +128,28 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """One layer; `index` fixes its kind (dense MLP or MoE), `layer` (int or traced) is where its
+    KV lives. Carry in, carry out, so the same module runs unrolled or under nn.scan."""
     cfg: ModelConfig
     index: int
     mesh: Mesh | None = None
 
     @nn.compact
-    def __call__(self, x, positions, layer_kv, write_offset, visible_len, mask):
+    def __call__(self, carry, layer, positions, write_offset, visible_len, mask):
         cfg = self.cfg
+        x, kv = carry  # x: [B, T, D]
         norm = lambda name: _param(self, name, (cfg.hidden_size,), ("embed",),  # noqa: E731
                                    nn.initializers.ones)
         h = layers.rms_norm(x, norm("input_norm"), cfg.rms_norm_eps)
-        attn, new_kv = Attention(cfg, name="attn")(h, positions, layer_kv, write_offset,
-                                                    visible_len, mask)
+        attn, kv = Attention(cfg, name="attn")(h, positions, kv, layer, write_offset, visible_len,
+                                               mask)
         x = x + attn
         h = layers.rms_norm(x, norm("post_attn_norm"), cfg.rms_norm_eps)
         if cfg.is_moe_layer(self.index):
             x = x + MoE(cfg, self.mesh, name="moe")(h)
         else:
             x = x + DenseMLP(cfg, cfg.intermediate_size, name="mlp")(h)
-        return x, new_kv
+        return (x, kv), None
 
 
 class Transformer(nn.Module):
@@ -163,15 +165,20 @@ class Transformer(nn.Module):
             raise ValueError("pass exactly one of kv (buffer path) or mask (explicit path)")
         embed = _param(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
                        _normal(cfg))
-        x = jnp.take(embed, tokens, axis=0).astype(dt)  # [B, T, D]
-        new_k, new_v = [], []
-        for i in range(cfg.num_layers):
-            layer_kv = None if kv is None else (kv.k[i], kv.v[i])
-            x, out_kv = DecoderLayer(cfg, i, self.mesh, name=f"layer_{i}")(x, positions, layer_kv,
-                                                                 write_offset, visible_len, mask)
-            if out_kv is not None:
-                new_k.append(out_kv[0])
-                new_v.append(out_kv[1])
+        carry = (jnp.take(embed, tokens, axis=0).astype(dt), kv)  # x: [B, T, D]
+        shared = (positions, write_offset, visible_len, mask)
+        if layout.scanned(cfg):
+            for start, stop in layout.runs(cfg):
+                run = nn.scan(DecoderLayer, variable_axes={"params": 0},
+                              split_rngs={"params": True}, length=stop - start,
+                              in_axes=(0,) + (nn.broadcast,) * len(shared),
+                              metadata_params={nn.PARTITION_NAME: "layers"})
+                carry, _ = run(cfg, start, self.mesh, name=layout.run_name(start, stop))(
+                    carry, jnp.arange(start, stop, dtype=jnp.int32), *shared)
+        else:
+            for i in range(cfg.num_layers):
+                carry, _ = DecoderLayer(cfg, i, self.mesh, name=f"layer_{i}")(carry, i, *shared)
+        x, kv = carry
         x = layers.rms_norm(x, _param(self, "final_norm", (cfg.hidden_size,), ("embed",),
                                       nn.initializers.ones), cfg.rms_norm_eps)
         if cfg.tie_word_embeddings:
@@ -180,14 +187,15 @@ class Transformer(nn.Module):
             head = _param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
                           _normal(cfg))
             logits = jnp.einsum("btd,dv->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
-        new_cache = None if kv is None else KVCache(k=tuple(new_k), v=tuple(new_v))
-        return logits, new_cache
+        return logits, kv
 
 
 def init_params(cfg: ModelConfig, seed: int | None = None, mesh: Mesh | None = None) -> dict:
-    """Random parameters (plain arrays, logical-axis boxes removed), deterministic in `seed`;
-    with a mesh, each device computes only its own shards (parallel/mesh.py rules)."""
-    model = Transformer(cfg)
+    """Random parameters in `cfg`'s runtime layout (plain arrays, logical-axis boxes removed),
+    deterministic in `seed` and the same values whatever the layer loop (drawn in the canonical
+    layout, then stacked); with a mesh, each device computes only its own shards (parallel/mesh.py
+    rules)."""
+    model = Transformer(layout.canonical(cfg))
     tokens = jnp.zeros((1, cfg.block_size), jnp.int32)
     mask = jnp.ones((1, cfg.block_size, cfg.block_size), bool)
     key = jax.random.PRNGKey(cfg.seed if seed is None else seed)
@@ -196,7 +204,11 @@ def init_params(cfg: ModelConfig, seed: int | None = None, mesh: Mesh | None = N
         from mbd_jax.parallel.mesh import param_shardings
 
         shardings = param_shardings(cfg, mesh)
-    init = lambda k: nn.meta.unbox(model.init(k, tokens, tokens, mask=mask)["params"])  # noqa: E731
+
+    def init(k):
+        canonical = nn.meta.unbox(model.init(k, tokens, tokens, mask=mask)["params"])
+        return layout.to_runtime(canonical, cfg)
+
     return jax.jit(init, out_shardings=shardings)(key)
 
 

@@ -36,6 +36,7 @@ RULES: dict[str, str | None] = {
     "embed": None,
     "head_dim": None,
     "seq": None,
+    "layers": None,  # the stacked axis of scanned layers and of the KV buffer
 }
 
 
@@ -98,12 +99,6 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh) -> Any:
                         logical, shapes, is_leaf=lambda x: isinstance(x, P))
 
 
-def kv_sharding(cfg: ModelConfig, mesh: Mesh, batch: int, capacity: int) -> NamedSharding:
-    """The KV buffer's per-layer [B, S, K, Dh]: rows on `data`, KV heads on `tensor`."""
-    shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
-    return NamedSharding(mesh, spec_for(("batch", "seq", "kv_heads", "head_dim"), shape, mesh))
-
-
 def single_device_mesh() -> Mesh:
     """The (1, 1, 1) mesh of the first device: what an engine without --mesh runs on."""
     return make_mesh(dict.fromkeys(AXES, 1), jax.devices()[:1])
@@ -114,16 +109,18 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def kv_shardings(cfg: ModelConfig, mesh: Mesh, batch: int, capacity: int) -> Any:
-    """A KVCache of shardings (every layer's k and v like `kv_sharding`)."""
-    from mbd_jax.kv import KVCache
+    """A KVCache of shardings: rows on `data`, KV heads on `tensor` (kv.LOGICAL_AXES)."""
+    from mbd_jax.kv import LOGICAL_AXES, KVCache
 
-    s = kv_sharding(cfg, mesh, batch, capacity)
-    return KVCache(k=(s,) * cfg.num_layers, v=(s,) * cfg.num_layers)
+    shape = (cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+    s = NamedSharding(mesh, spec_for(LOGICAL_AXES, shape, mesh))
+    return KVCache(k=s, v=s)
 
 
 def abstract_params(cfg: ModelConfig, mesh: Mesh) -> Any:
-    """ShapeDtypeStructs of the parameters carrying their shardings: a restore target that
-    reads each device's shard straight into place (orbax), with no full host copy."""
+    """ShapeDtypeStructs of the parameters (in `cfg`'s runtime layout) carrying their shardings:
+    a restore target that reads each device's shard straight into place (orbax), with no full
+    host copy."""
     from mbd_jax.model.transformer import init_params
 
     shapes = jax.eval_shape(lambda: init_params(cfg))
