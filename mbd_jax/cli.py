@@ -74,6 +74,15 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
                         "multiple of the block size)")
 
 
+def _add_compile_cache_flag(p: argparse.ArgumentParser, default: str | None = None) -> None:
+    from mbd_jax.compile_cache import DEFAULT_DIR, OFF
+
+    p.add_argument("--compile-cache", metavar="DIR", default=default,
+                   help=f"keep compiled programs in DIR across runs ({OFF}: none; default: "
+                        + (f"{OFF}, so compile times are cold" if default == OFF else
+                           f"$JAX_COMPILATION_CACHE_DIR, else {DEFAULT_DIR}") + ")")
+
+
 def _runtime(args: argparse.Namespace) -> dict:
     from mbd_jax.config import RUNTIME_FIELDS
 
@@ -143,16 +152,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     record_steps=record[0], record_len=record[1], mesh=mesh)
     for i, p in enumerate(prompts):  # fail before compiling anything
         engine.check_prompt(p, where=f"prompt[{i}]")
-    t0 = time.perf_counter()
+    from mbd_jax import compile_stats
+
+    t0, hits0 = time.perf_counter(), compile_stats.cache_hits()
     engine.warmup(progress=_progress)  # compile every shape first: `seconds` is decoding alone
     compile_seconds = time.perf_counter() - t0
+    warm = {"compile_seconds": round(compile_seconds, 3),  # programs read from --compile-cache:
+            "compile_cache_hits": compile_stats.cache_hits() - hits0}
     with maybe_trace(args.profile):
         results = engine.generate(prompts, decode)
     if not multihost.is_leader():  # process 0 prints
         return 0
     for r in results:
         if args.json:  # seconds: prefill + decode of its batch; compile_seconds: the warm-up
-            print(json.dumps({**r.to_json(), "compile_seconds": round(compile_seconds, 3)}))
+            print(json.dumps({**r.to_json(), **warm}))
         else:
             print(r.text if r.text is not None else r.token_ids)
             print(f"[{r.finish_reason}] tokens={len(r.token_ids)} nfe={r.nfe} tpf={r.tpf:.2f} "
@@ -212,6 +225,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "server.admin_host": args.admin_host, "server.admin_port": args.admin_port,
         "server.max_batch_size": args.max_batch_size,
         "server.served_model_name": args.served_model_name,
+        "server.compile_cache": args.compile_cache,
         **{f"runtime.{k}": v for k, v in _runtime(args).items()}})
     keys = load_api_keys(args.api_key_file) + (args.api_key or [])
     return serve(cfg, keys, mesh=multihost.mesh_from_args(args))
@@ -294,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--profile", metavar="DIR", help="write a JAX profiler trace to DIR")
     _add_decode_flags(g)
     _add_runtime_flags(g)
+    _add_compile_cache_flag(g)
     multihost.add_launch_flags(g)
     g.set_defaults(func=cmd_generate)
 
@@ -314,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", help="the model id clients use (default: the model's "
                                                 "name)")
     _add_runtime_flags(s)
+    _add_compile_cache_flag(s)
     multihost.add_launch_flags(s)
     s.set_defaults(func=cmd_serve)
 
@@ -341,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_decode_flags(e)
     _add_runtime_flags(e)
+    _add_compile_cache_flag(e)
     multihost.add_launch_flags(e)
     e.set_defaults(func=cmd_eval)
 
@@ -360,6 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "model's)")
     d.add_argument("--json", action="store_true")
     _add_decode_flags(d, buffer_size_list=True)
+    _add_compile_cache_flag(d, default="off")
     multihost.add_launch_flags(d)
     d.set_defaults(func=cmd_bench_decode)
     return ap
@@ -369,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         multihost.initialize(args)  # before any JAX computation; nothing for one process
+        if args.func is not cmd_serve and hasattr(args, "compile_cache"):  # serve: its config's
+            from mbd_jax import compile_cache
+
+            compile_cache.enable(args.compile_cache)  # before the first compilation
         return args.func(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

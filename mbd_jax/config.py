@@ -484,6 +484,9 @@ class ServerConfig:
     body_timeout_s: float = 30.0
     keep_alive_s: int = 5
     max_engine_failures: int = 3  # engine failures in a row (no call succeeding) before it exits
+    # Compiled programs kept on disk across restarts (mbd_jax/compile_cache.py): a directory, off
+    # for none; null: $JAX_COMPILATION_CACHE_DIR, else ~/.cache/mbd-jax/xla.
+    compile_cache: str | None = None
 
     def validate(self, where: str = "server") -> None:
         _check(1 <= self.port <= 65535, where, f"field 'port' must be in [1, 65535], got {self.port}")

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
+
+# One persistent XLA compilation cache for the whole run, shared with every subprocess (servers,
+# CLIs, multi-device runs): the same programs are compiled once, then read back. Set before JAX
+# is imported (JAX reads its JAX_* settings then).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="mbd-jax-xla-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
 import dataclasses
 import functools
 import json
-import os
 import pathlib
 import subprocess
 import sys

@@ -40,6 +40,28 @@ def test_generate_json_and_profile(tmp_path):
     assert traces and traces[0].stat().st_size > 0
 
 
+def test_a_second_run_reads_its_programs_from_the_compile_cache(tmp_path):
+    """--compile-cache DIR: the first run writes every program it compiles there, the second
+    reads them back (JAX's cache hits) and generates the same tokens."""
+    cache = tmp_path / "xla"
+    args = ("generate", "--model", "tiny-mbd", "--prompt-ids", "11,12,13", "--max-new-tokens", "8",
+            "--json", "--compile-cache", str(cache))
+    first, second = (json.loads(run(*args).stdout.splitlines()[0]) for _ in range(2))
+    assert first["compile_cache_hits"] == 0
+    assert len(list(cache.iterdir())) >= 3  # the decode loop, a prefill bucket, the merge, ...
+    assert second["compile_cache_hits"] >= 3
+    assert second["token_ids"] == first["token_ids"]
+
+
+def test_compile_cache_setting():
+    from mbd_jax import compile_cache
+
+    assert compile_cache.resolve("off") == ""
+    assert compile_cache.resolve("/x") == "/x"
+    env = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    assert compile_cache.resolve(None) == (env or compile_cache.DEFAULT_DIR)
+
+
 @pytest.mark.parametrize("args,needle", [
     (["generate", "--prompt", ""], "empty prompt"),
     (["generate", "--prompt-ids", "11," * 1100], "max_seq_len is 256"),  # the default, tiny-mbd

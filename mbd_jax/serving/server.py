@@ -27,9 +27,9 @@ import socket
 import jax
 import uvicorn
 
+from mbd_jax import chat, compile_cache
 from mbd_jax.cache.prefix_store import PrefixStore, model_identity
 from mbd_jax.checkpoint import load_model
-from mbd_jax import chat
 from mbd_jax.config import ServeConfig, resolve_model_path
 from mbd_jax.engine import Engine
 from mbd_jax.errors import UserError
@@ -184,6 +184,8 @@ async def _serve(svc: Service, sockets: list[socket.socket]) -> int:
 def serve(cfg: ServeConfig, api_keys: list[str], mesh: jax.sharding.Mesh | None = None) -> int:
     logging.basicConfig(level=cfg.monitoring.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cache = compile_cache.enable(cfg.server.compile_cache, "server.compile_cache")  # first compile
+    log.info("compilation cache: %s", cache or "off")
     cfg = multihost.share(cfg)  # process 0's config builds every process's engine
     if not multihost.is_leader():  # a follower: mirror process 0's engine calls until it stops
         multihost.follow(build_engine(cfg, mesh))
