@@ -72,16 +72,94 @@ def write_manifest(model_dir: pathlib.Path, info: dict[str, Any]) -> dict[str, A
     return manifest
 
 
-def verify_manifest(model_dir: pathlib.Path) -> None:
-    """Every file the manifest lists exists with its sha256; raises naming the first bad file."""
+def manifest_problems(model_dir: pathlib.Path) -> list[str]:
+    """Every file manifest.json lists that is missing or differs from its sha256, one line each
+    (empty: all match)."""
     manifest = json.loads((model_dir / "manifest.json").read_text())
+    problems = []
     for rel, digest in manifest["files"].items():
         p = model_dir / rel
         if not p.is_file():
-            raise ConfigError(f"model {model_dir}: file {rel} listed in manifest.json is missing")
-        if _sha256(p) != digest:
-            raise ConfigError(f"model {model_dir}: file {rel} does not match its checksum in "
-                              "manifest.json (corrupt or truncated)")
+            problems.append(f"file {rel} listed in manifest.json is missing")
+        elif _sha256(p) != digest:
+            problems.append(f"file {rel} does not match its checksum in manifest.json (corrupt or "
+                            "truncated)")
+    return problems
+
+
+def verify_manifest(model_dir: pathlib.Path) -> None:
+    """Every file the manifest lists exists with its sha256; raises naming the first bad file."""
+    problems = manifest_problems(model_dir)
+    if problems:
+        raise ConfigError(f"model {model_dir}: {problems[0]}")
+
+
+def verify_model_dir(model_dir: str | pathlib.Path) -> list[tuple[str, str | None]]:
+    """Checks a model directory without loading its weights: config.yaml is a valid model
+    config, every file matches manifest.json, params/ holds exactly the parameters the config
+    describes (names, shapes, dtypes, from orbax's metadata), the tokenizer loads and fits the
+    vocabulary. Returns (check, problem or None) per check; a check that cannot run after an
+    earlier failure is skipped."""
+    import orbax.checkpoint as ocp
+
+    from mbd_jax.model import layout
+    from mbd_jax.model.transformer import init_params
+
+    d = pathlib.Path(model_dir).absolute()
+    results: list[tuple[str, str | None]] = []
+    if not (d / "config.yaml").is_file():
+        return [("config.yaml", f"{d} has no config.yaml (not a model directory)")]
+    try:
+        cfg = from_dict(ModelConfig, load_yaml(d / "config.yaml"), where=str(d / "config.yaml"))
+        results.append(("config.yaml", None))
+    except ConfigError as e:
+        return [("config.yaml", str(e))]
+    if (d / "manifest.json").is_file():
+        try:
+            problems = manifest_problems(d)
+        except (ValueError, KeyError, AttributeError) as e:
+            problems = [f"manifest.json is not a valid manifest ({type(e).__name__})"]
+        results += [("checksums", p) for p in problems] or [("checksums", None)]
+    else:
+        results.append(("checksums", "no manifest.json: the files cannot be checked"))
+    if cfg.init == "checkpoint":
+        want = jax.eval_shape(lambda: init_params(layout.canonical(cfg)))
+        try:
+            got = ocp.StandardCheckpointer().metadata(d / "params").item_metadata
+        except Exception as e:  # orbax raises many types for a damaged checkpoint
+            got, problem = None, f"params/ is unreadable ({type(e).__name__}: {str(e)[:200]})"
+        if got is not None:
+            want_flat = {"/".join(k): v for k, v in _flat(want)}
+            got_flat = {"/".join(k): v for k, v in _flat(dict(got))}
+            problem = None
+            for name in sorted(want_flat.keys() | got_flat.keys()):
+                w, g = want_flat.get(name), got_flat.get(name)
+                if w is None or g is None:
+                    problem = (f"parameter {name} is in params/ but not in the config's model"
+                               if w is None else f"parameter {name} is missing from params/")
+                elif tuple(g.shape) != tuple(w.shape) or str(g.dtype) != str(w.dtype):
+                    problem = (f"parameter {name} is {g.dtype}{list(g.shape)} in params/, the "
+                               f"config needs {w.dtype}{list(w.shape)}")
+                if problem:
+                    break
+        results.append(("parameters", problem))
+    if cfg.tokenizer:
+        try:
+            tok = load_tokenizer((d / cfg.tokenizer).resolve())
+            results.append(("tokenizer", None if tok.vocab_size <= cfg.vocab_size else
+                            f"tokenizer has {tok.vocab_size} tokens, vocab_size is "
+                            f"{cfg.vocab_size}"))
+        except Exception as e:  # noqa: BLE001 - any failure to load is the finding
+            results.append(("tokenizer", f"{cfg.tokenizer} does not load ({e})"))
+    return results
+
+
+def _flat(tree: Any, prefix: tuple = ()):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flat(v, prefix + (str(k),))
+    else:
+        yield prefix, tree
 
 
 def _restore_params(path: pathlib.Path, cfg: ModelConfig, mesh: Mesh) -> Any:

@@ -58,16 +58,17 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     without editing it (its checksum covers it)."""
     import typing
 
-    from mbd_jax.config import AttentionImpl, DType, LayerLoop, MoeImpl
+    from mbd_jax.config import AUTO, AttentionImpl, DType, LayerLoop, MoeImpl
+
+    def auto(field: str) -> str:
+        return f"auto = {AUTO[field]['cpu']} on CPU, {AUTO[field]['*']} elsewhere"
 
     g = p.add_argument_group("runtime settings (default: the model's config)")
-    g.add_argument("--moe-impl", choices=typing.get_args(MoeImpl),
-                   help="expert path; auto = looped on CPU, ragged_dot elsewhere")
+    g.add_argument("--moe-impl", choices=typing.get_args(MoeImpl), help="expert path; " + auto("moe_impl"))
     g.add_argument("--attention-impl", choices=typing.get_args(AttentionImpl))
     g.add_argument("--attention-chunk", type=int, help="keys per online-softmax chunk")
     g.add_argument("--layer-loop", choices=typing.get_args(LayerLoop),
-                   help="scan: one compiled layer per run of identical layers; auto = unrolled "
-                        "on CPU, scan elsewhere")
+                   help="scan: one compiled layer per run of identical layers; " + auto("layer_loop"))
     g.add_argument("--compute-dtype", choices=typing.get_args(DType))
     g.add_argument("--max-model-len", dest="max_seq_len", type=int,
                    help="context length to serve (at most the model's; a smaller KV buffer; a "
@@ -226,6 +227,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "server.max_batch_size": args.max_batch_size,
         "server.served_model_name": args.served_model_name,
         "server.compile_cache": args.compile_cache,
+        "server.ssl_certfile": args.ssl_certfile, "server.ssl_keyfile": args.ssl_keyfile,
         **{f"runtime.{k}": v for k, v in _runtime(args).items()}})
     keys = load_api_keys(args.api_key_file) + (args.api_key or [])
     return serve(cfg, keys, mesh=multihost.mesh_from_args(args))
@@ -238,6 +240,22 @@ def cmd_convert(args: argparse.Namespace) -> int:
                        mask_token_id=args.mask_token_id, block_size=args.block_size)
     print(json.dumps({k: v for k, v in manifest.items() if k != "files"}))
     return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Exit 0 when every check passes, 1 naming each failure (2: bad usage)."""
+    from mbd_jax.checkpoint import verify_model_dir
+
+    results = verify_model_dir(args.model_dir)
+    failed = [(check, problem) for check, problem in results if problem]
+    if args.json:
+        print(json.dumps({"model_dir": args.model_dir, "ok": not failed,
+                          "checks": [{"check": c, "problem": p} for c, p in results]}))
+    else:
+        for check, problem in results:
+            print(f"{'FAIL' if problem else 'ok':>4}  {check}" + (f": {problem}" if problem else ""))
+        print(f"{args.model_dir}: " + (f"{len(failed)} problem(s)" if failed else "verified"))
+    return 1 if failed else 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -326,6 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", action="append", help="an accepted API key (repeatable)")
     s.add_argument("--api-key-file", help="one API key per line (also: MBD_API_KEYS=k1,k2)")
     s.add_argument("--max-batch-size", type=int, help="rows decoded together")
+    s.add_argument("--ssl-certfile", help="HTTPS on --port: the certificate chain (PEM)")
+    s.add_argument("--ssl-keyfile", help="HTTPS on --port: the private key (PEM)")
     s.add_argument("--served-model-name", help="the model id clients use (default: the model's "
                                                 "name)")
     _add_runtime_flags(s)
@@ -336,6 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="convert a Hugging Face / PyTorch checkpoint")
     add_convert_args(c)
     c.set_defaults(func=cmd_convert)
+
+    v = sub.add_parser("verify", help="check a model directory (config, checksums, parameter "
+                                      "shapes, tokenizer) without serving it; exit 1 on a problem")
+    v.add_argument("model_dir")
+    v.add_argument("--json", action="store_true", help="one JSON object")
+    v.set_defaults(func=cmd_verify)
 
     t = sub.add_parser("train", help="train or post-train a model (block diffusion / MultiTF)")
     t.add_argument("--config", required=True, help="a training config, e.g. configs/train/tiny-bd.yaml")

@@ -40,6 +40,28 @@ AttentionImpl = Literal["chunked", "dense"]
 # flat in depth) or unrolled (XLA CPU copies each scanned layer's weight slice); auto: per backend
 # (model/layout.py)
 LayerLoop = Literal["auto", "scan", "unrolled"]
+
+# What `auto` stands for, per JAX backend ("*": every other one): the one table of such defaults.
+# moe_impl: on CPU the looped path reads only the hit experts' weights (dense computes all E,
+# tiled gathers a weight matrix per tile, ragged_dot expands densely); accelerators have a
+# grouped-matmul kernel behind ragged_dot. layer_loop: XLA:CPU copies a scanned layer's weight
+# slice before each matmul, so CPU stays unrolled; elsewhere the scan keeps compile time flat.
+AUTO: dict[str, dict[str, str]] = {
+    "moe_impl": {"cpu": "looped", "*": "ragged"},
+    "layer_loop": {"cpu": "unrolled", "*": "scan"},
+}
+
+
+def resolve_auto(field: str, value: str, backend: str | None = None) -> str:
+    """What `value` of setting `field` stands for on `backend` (default: JAX's default one)."""
+    if value != "auto":
+        return value
+    if backend is None:
+        import jax
+
+        backend = jax.default_backend()
+    table = AUTO[field]
+    return table.get(backend, table["*"])
 DType = Literal["float32", "bfloat16", "float16"]
 
 
@@ -484,6 +506,9 @@ class ServerConfig:
     body_timeout_s: float = 30.0
     keep_alive_s: int = 5
     max_engine_failures: int = 3  # engine failures in a row (no call succeeding) before it exits
+    # HTTPS on the data port (both files, PEM); the admin port stays plain HTTP on admin_host.
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
     # Compiled programs kept on disk across restarts (mbd_jax/compile_cache.py): a directory, off
     # for none; null: $JAX_COMPILATION_CACHE_DIR, else ~/.cache/mbd-jax/xla.
     compile_cache: str | None = None
@@ -494,6 +519,8 @@ class ServerConfig:
                f"field 'admin_port' must be in [0, 65535] (0: none), got {self.admin_port}")
         _check(self.served_model_name is None or 0 < len(self.served_model_name) <= 256, where,
                "field 'served_model_name' must be 1 to 256 characters")
+        _check((self.ssl_certfile is None) == (self.ssl_keyfile is None), where,
+               "fields 'ssl_certfile' and 'ssl_keyfile' go together (HTTPS needs both)")
         for f in ("max_batch_size", "buffer_size", "prefill_chunk",
                   "steps_per_call", "queue_size", "queue_timeout_ms", "generation_timeout_ms",
                   "max_body_bytes", "max_segments", "rate_limit_burst", "auth_failures_per_min",

@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -18,6 +19,36 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 KEY = "test-key-0123456789"
 
 
+def self_signed_certificate(tmp: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    """A fresh self-signed certificate for 127.0.0.1 / localhost: (cert.pem, key.pem)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([
+                x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = tmp / "cert.pem", tmp / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -27,7 +58,9 @@ def free_port() -> int:
 class Server:
     def __init__(self, tmp: pathlib.Path, keys: list[str], sections: dict | None = None,
                  args: tuple[str, ...] = (), env: dict | None = None, admin: bool = True,
-                 **server_overrides):
+                 tls: tuple[pathlib.Path, pathlib.Path] | None = None, **server_overrides):
+        """tls: (cert, key) serves the data port over HTTPS; `verify` is then a client context
+        that trusts that certificate."""
         self.tmp = tmp
         self.port, self.admin_port = free_port(), free_port() if admin else 0
         cfg = {
@@ -46,16 +79,19 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mbd_jax", "serve", "--config", str(tmp / "serve.yaml"),
              "--port", str(self.port), "--admin-port", str(self.admin_port),
-             "--api-key-file", str(tmp / "keys.txt"), *args],
+             "--api-key-file", str(tmp / "keys.txt"),
+             *(("--ssl-certfile", str(tls[0]), "--ssl-keyfile", str(tls[1])) if tls else ()),
+             *args],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
             env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})})
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
+        self.verify = ssl.create_default_context(cafile=str(tls[0])) if tls else True
         self.admin = f"http://127.0.0.1:{self.admin_port or self.port}"  # no admin port: the data port
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, (tmp / "server.log").read_text()
             try:
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                if httpx.get(self.url + "/ready", timeout=2, verify=self.verify).status_code == 200:
                     return
             except httpx.TransportError:
                 pass

@@ -55,3 +55,43 @@ def test_runtime_overrides_apply_after_the_checksum_and_nothing_else_changes():
         load_model("tiny-mbd", runtime={"num_layers": 3})
     with pytest.raises(ConfigError, match="'moe_impl' must be one of"):
         load_model("tiny-mbd", runtime={"moe_impl": "fast"})
+
+
+def test_verify_names_a_flipped_and_a_missing_file_and_a_wrong_shape(tmp_path):
+    """`mbd-jax verify` (no weights loaded): the shipped model passes; a byte flipped in a
+    parameter file, a deleted file, or a config whose shapes disagree with params/ are each named,
+    and the command exits 1."""
+    import pathlib
+    import shutil
+    import subprocess
+    import sys
+
+    from mbd_jax.checkpoint import verify_model_dir
+
+    shipped = pathlib.Path(__file__).resolve().parent.parent / "models" / "tiny-mbd"
+    assert all(problem is None for _, problem in verify_model_dir(shipped))
+    bad = tmp_path / "m"
+    shutil.copytree(shipped, bad)
+    data = max((p for p in (bad / "params").rglob("*") if p.is_file()),
+               key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    (bad / "tokenizer.model").unlink()
+    problems = [p for _, p in verify_model_dir(bad) if p]
+    rel = data.relative_to(bad).as_posix()
+    assert f"file {rel} does not match its checksum" in " ".join(problems)
+    assert "file tokenizer.model listed in manifest.json is missing" in " ".join(problems)
+
+    wrong = tmp_path / "w"
+    shutil.copytree(shipped, wrong)
+    cfg = (wrong / "config.yaml").read_text()
+    (wrong / "config.yaml").write_text(cfg.replace("num_layers: 4", "num_layers: 5"))
+    problems = " ".join(p for _, p in verify_model_dir(wrong) if p)
+    assert "file config.yaml does not match its checksum" in problems
+    assert "parameter layer_4/" in problems and "missing from params/" in problems
+
+    r = subprocess.run([sys.executable, "-m", "mbd_jax", "verify", str(bad)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 1 and rel in r.stdout and "3 problem(s)" in r.stdout, r.stdout
+    assert "Traceback" not in r.stderr

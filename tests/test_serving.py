@@ -595,3 +595,36 @@ def test_logprobs_of_the_chosen_tokens(server, offline):
         c.chat.completions.create(model="tiny-random", max_tokens=4, logprobs=True, top_logprobs=3,
                                   messages=[{"role": "user", "content": prompt}])
     assert e.value.body["param"] == "top_logprobs"
+
+
+def test_https_on_the_data_port_and_plain_http_refused_there(tmp_path, offline):
+    """--ssl-certfile / --ssl-keyfile: the official openai client completes over HTTPS (trusting
+    the self-signed certificate) as offline generate does; plain HTTP on that port gets no
+    answer; the admin port stays plain HTTP. A key that does not load is one error line at
+    start, naming the setting."""
+    import ssl
+
+    from tests.live_server import free_port, self_signed_certificate
+
+    cert, key = self_signed_certificate(tmp_path)
+    s = Server(tmp_path, [KEY], tls=(cert, key))
+    try:
+        assert s.url.startswith("https://")
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0, timeout=120,
+                          http_client=httpx.Client(verify=s.verify))
+        (want,) = offline([offline.tokenizer.encode("Sort: 3 1 2")], max_new_tokens=12)
+        r = c.completions.create(model="tiny-random", prompt="Sort: 3 1 2", max_tokens=12)
+        assert r.choices[0].text == want.text
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://127.0.0.1:{s.port}/ready", timeout=10)
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            httpx.get(s.url + "/ready", timeout=10, verify=ssl.create_default_context())
+        assert httpx.get(s.admin + "/metrics", timeout=10).status_code == 200
+    finally:
+        s.stop()
+    r = subprocess.run([sys.executable, "-m", "mbd_jax", "serve", "--model", "tiny-random",
+                        "--port", str(free_port()), "--admin-port", "0",
+                        "--ssl-certfile", str(cert), "--ssl-keyfile", str(tmp_path / "none.pem")],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and "server.ssl_certfile" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

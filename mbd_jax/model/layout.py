@@ -8,9 +8,9 @@ or MoE), so XLA compiles one layer per run and compile time stays flat in depth.
 one subtree per run, `layers_{start}_{stop}`, each leaf the layer leaves stacked on a leading
 axis (logical axis name "layers").
 
-Which one runs is `ModelConfig.layer_loop`; `auto` is per backend (AUTO_LOOP): XLA CPU copies a
-scanned layer's weight slice before every matmul (about 20% slower decode at batch 16 on a
-12-layer MLP stack, docs/performance.md), so CPU runs unrolled; GPU and TPU scan.
+Which one runs is `ModelConfig.layer_loop`; `auto` is per backend (config.AUTO): XLA CPU copies
+a scanned layer's weight slice before every matmul (docs/performance.md), so CPU runs unrolled;
+GPU and TPU scan.
 """
 
 from __future__ import annotations
@@ -21,17 +21,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mbd_jax.config import ModelConfig
-
-AUTO_LOOP = {"cpu": "unrolled"}
-AUTO_DEFAULT = "scan"
-
+from mbd_jax.config import ModelConfig, resolve_auto
 
 def resolve_loop(name: str, backend: str | None = None) -> str:
-    """The layer loop `name` stands for on `backend` (default: JAX's default backend)."""
-    if name != "auto":
-        return name
-    return AUTO_LOOP.get(backend or jax.default_backend(), AUTO_DEFAULT)
+    """The layer loop `name` stands for on `backend` (config.AUTO)."""
+    return resolve_auto("layer_loop", name, backend)
 
 
 def scanned(cfg: ModelConfig) -> bool:

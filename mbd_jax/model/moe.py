@@ -14,6 +14,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from mbd_jax.config import resolve_auto
+
 
 def route_softmax_topk(logits: jax.Array, k: int, norm_topk_prob: bool,
                        scaling: float = 1.0) -> tuple[jax.Array, jax.Array]:
@@ -243,16 +245,8 @@ _looped.defvjp(_looped_fwd, _looped_bwd)
 
 EXPERT_IMPLS = {"dense": experts_dense, "ragged": experts_ragged, "tiled": experts_tiled,
                 "looped": experts_looped}
-# `moe_impl: auto`: on CPU the looped path (reads only the hit experts' weights; dense computes
-# all E experts, tiled gathers a weight matrix per tile; docs/performance.md compares them);
-# ragged_dot expands to a dense form there. Accelerators have a grouped-matmul kernel behind
-# ragged_dot.
-AUTO_IMPL = {"cpu": "looped"}
-AUTO_DEFAULT = "ragged"
 
 
 def resolve_impl(name: str, backend: str | None = None) -> str:
-    """The expert path `name` stands for on `backend` (default: JAX's default backend)."""
-    if name != "auto":
-        return name
-    return AUTO_IMPL.get(backend or jax.default_backend(), AUTO_DEFAULT)
+    """The expert path `name` stands for on `backend` (config.AUTO)."""
+    return resolve_auto("moe_impl", name, backend)

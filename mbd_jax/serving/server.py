@@ -23,6 +23,7 @@ import os
 import pathlib
 import signal
 import socket
+import ssl
 
 import jax
 import uvicorn
@@ -30,7 +31,7 @@ import uvicorn
 from mbd_jax import chat, compile_cache
 from mbd_jax.cache.prefix_store import PrefixStore, model_identity
 from mbd_jax.checkpoint import load_model
-from mbd_jax.config import ServeConfig, resolve_model_path
+from mbd_jax.config import ServeConfig, ServerConfig, resolve_model_path
 from mbd_jax.engine import Engine
 from mbd_jax.errors import UserError
 from mbd_jax.parallel import multihost
@@ -125,17 +126,36 @@ def listen(cfg: ServeConfig) -> list[socket.socket]:
     return sockets
 
 
-async def _serve(svc: Service, sockets: list[socket.socket]) -> int:
+def tls_context(s: ServerConfig) -> ssl.SSLContext | None:
+    """The data port's TLS context (None: plain HTTP), loaded before the model so a wrong file is
+    one error line at start, naming the field."""
+    if s.ssl_certfile is None:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)  # TLS 1.2+, no client certificate
+    try:
+        ctx.load_cert_chain(s.ssl_certfile, s.ssl_keyfile)
+    except (OSError, ssl.SSLError) as e:
+        raise UserError(f"server.ssl_certfile {s.ssl_certfile} / server.ssl_keyfile "
+                        f"{s.ssl_keyfile}: cannot load the certificate and key "
+                        f"({getattr(e, 'strerror', None) or e})") from None
+    return ctx
+
+
+async def _serve(svc: Service, sockets: list[socket.socket], tls: ssl.SSLContext | None) -> int:
     """Runs both servers until a drain or an engine failure ends them; returns the exit code."""
     s = svc.cfg.server
     data, admin = build_apps(svc, admin_port=bool(s.admin_port))
     level = svc.cfg.monitoring.log_level
     protocol = guarded_protocol(connection_budget(len(sockets), s.max_connections),
                                 s.header_timeout_s, svc.metrics)
-    servers = [_Server(uvicorn.Config(app, log_level=level, lifespan="off", access_log=False,
-                                      timeout_graceful_shutdown=5,
-                                      timeout_keep_alive=s.keep_alive_s, http=protocol))
-               for app in (data, admin)[: len(sockets)]]
+    def config(app, context: ssl.SSLContext | None) -> uvicorn.Config:
+        return uvicorn.Config(app, log_level=level, lifespan="off", access_log=False,
+                              timeout_graceful_shutdown=5, timeout_keep_alive=s.keep_alive_s,
+                              http=protocol, ssl_context_factory=(
+                                  None if context is None else lambda *_: context))
+
+    servers = [_Server(config(app, context))
+               for app, context in ((data, tls), (admin, None))[: len(sockets)]]
     quiet_repeats()  # after uvicorn.Config set up its loggers
     loop = asyncio.get_running_loop()
     draining, failed = asyncio.Event(), asyncio.Event()
@@ -191,13 +211,14 @@ def serve(cfg: ServeConfig, api_keys: list[str], mesh: jax.sharding.Mesh | None 
         multihost.follow(build_engine(cfg, mesh))
         return 0
     sockets = listen(cfg)
+    tls = tls_context(cfg.server)
     if not api_keys:
         log.warning("no API keys configured (--api-key, --api-key-file or MBD_API_KEYS): the "
                     "service is open")
     svc = build_service(cfg, api_keys, mesh=mesh)
     code = EXIT_ENGINE_FAILED
     try:
-        code = asyncio.run(_serve(svc, sockets))
+        code = asyncio.run(_serve(svc, sockets, tls))
     finally:
         svc.scheduler.stop()
         if isinstance(svc.scheduler.engine, multihost.EngineLeader):
