@@ -6,7 +6,7 @@ PROMPT ?= Sort: 7 2 9 4
 PORT   ?= 8000
 ADMIN_PORT ?=
 
-.PHONY: run generate test bench models clean
+.PHONY: run generate test bench models clean promtool
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,9 +29,16 @@ run: $(VENV)/.installed
 generate: $(VENV)/.installed
 	$(BIN)/mbd-jax generate --chat --prompt "$(PROMPT)" --max-new-tokens 32 --buffer-size 2
 
-## make test: install with the dev extras and run the whole suite
-test: $(VENV)/.installed-dev
+## make test: install with the dev extras (and promtool, where apt can) and run the whole suite
+test: $(VENV)/.installed-dev promtool
 	$(BIN)/python -m pytest -q
+
+# tests/test_deploy.py checks the alert rules with promtool (Debian's prometheus package).
+promtool:
+	@command -v promtool >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 || \
+	    { apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }; }; } || \
+	  echo "make: promtool is missing and could not be installed (Debian: apt-get install prometheus)"
 
 ## make bench: the decode benchmark on the default model (JSON on stdout, table on stderr)
 bench: $(VENV)/.installed

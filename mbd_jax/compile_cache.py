@@ -8,6 +8,7 @@ the compiler flags (JAX's own key), so a changed model, mesh or jax version comp
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 
@@ -15,6 +16,7 @@ import jax
 
 from mbd_jax.errors import UserError
 
+log = logging.getLogger(__name__)
 DEFAULT_DIR = "~/.cache/mbd-jax/xla"
 OFF = "off"
 
@@ -37,6 +39,9 @@ def enable(setting: str | None, where: str = "--compile-cache") -> pathlib.Path 
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
+        if setting is None:  # the default place is not writable (no home, a read-only root)
+            log.warning("compilation cache off: cannot create %s (%s)", path, e.strerror)
+            return None
         raise UserError(f"{where} {directory}: cannot create the directory ({e.strerror}); give a "
                         f"writable directory, or {OFF} for no cache") from None
     jax.config.update("jax_compilation_cache_dir", str(path))

@@ -552,9 +552,17 @@ class CacheConfig:
 class MonitoringConfig:
     enabled: bool = True  # /metrics on the admin port
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # The service's log (never request or reply text): stderr, or this file rotated at
+    # log_max_bytes keeping log_backups old files (file.1, file.2, ...).
+    log_file: str | None = None
+    log_max_bytes: int = 100 << 20
+    log_backups: int = 5
 
     def validate(self, where: str = "monitoring") -> None:
-        pass
+        _check(self.log_max_bytes >= 1024, where,
+               f"field 'log_max_bytes' must be >= 1024, got {self.log_max_bytes}")
+        _check(self.log_backups >= 0, where,
+               f"field 'log_backups' must be >= 0, got {self.log_backups}")
 
 
 @dataclasses.dataclass(frozen=True)

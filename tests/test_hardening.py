@@ -6,6 +6,7 @@ fixed request gives the same output as before it."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import signal
 import socket
@@ -158,9 +159,9 @@ body = st.dictionaries(st.sampled_from(FIELDS), values, max_size=5).flatmap(
 routes = st.sampled_from(["/v1/completions", "/v1/chat/completions", "/generate"])
 
 
-def send_and_check(client: httpx.Client, route: str, payload: dict, codes: dict) -> None:
-    """One fuzzed request: never a 5xx; a 4xx is a JSON error; a stream ends cleanly. Counts
-    the status in `codes`."""
+def send_and_check(client: httpx.Client, route: str, payload: dict) -> int:
+    """One fuzzed request: never a 5xx; a 4xx is a JSON error; a stream ends cleanly. Returns
+    the status."""
     r = client.post(route, content=json.dumps(payload).encode())
     assert r.status_code < 500, (route, payload, r.status_code, r.text[:300])
     if r.status_code >= 400:
@@ -168,32 +169,40 @@ def send_and_check(client: httpx.Client, route: str, payload: dict, codes: dict)
         assert err["message"] and err["code"] == r.status_code, r.text[:300]
     elif payload.get("stream") is True:
         assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text, r.text[-300:]
-    codes[r.status_code] = codes.get(r.status_code, 0) + 1
+    return r.status_code
+
+
+def send_all(server, requests: list[tuple[str, dict]]) -> collections.Counter:
+    """Sends every (route, body), eight at a time (the server's rows), through send_and_check;
+    the status codes counted."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with httpx.Client(base_url=server.url, headers={**AUTH, "content-type": "application/json"},
+                      timeout=120) as client, ThreadPoolExecutor(8) as pool:
+        return collections.Counter(pool.map(lambda rp: send_and_check(client, *rp), requests))
 
 
 @settings(max_examples=1500, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(route=routes, payload=body, drop=st.sets(st.sampled_from(FIELDS)))
-def _fuzz_one(client, route, payload, drop):
+def _fuzz_one(out, route, payload, drop):
     payload = {k: v for k, v in payload.items() if k not in drop}
     if route == "/generate":  # its own field names
         payload.pop("prompt", None), payload.pop("messages", None)
         payload.pop("max_tokens", None)
-    send_and_check(client, route, payload, _fuzz_one.codes)
-    _fuzz_one.sent += 1
+    out.append((route, payload))
 
 
 def test_fuzzed_requests_never_get_a_5xx_and_the_engine_survives(server):
     """1,500 generated bodies (extreme numbers, wrong types, nested junk, hostile patterns) on
-    the three generation routes: no 5xx, every 4xx a JSON error, and afterwards the engine still
-    serves the fixed request exactly as before."""
-    _fuzz_one.sent, _fuzz_one.codes = 0, {}
-    with httpx.Client(base_url=server.url, headers={**AUTH, "content-type": "application/json"},
-                      timeout=120) as client:
-        _fuzz_one(client)
-    print("fuzz status codes:", _fuzz_one.codes)
-    assert _fuzz_one.sent >= 1500, _fuzz_one.sent
-    assert _fuzz_one.codes.get(200, 0) > 50 and _fuzz_one.codes.get(400, 0) > 200, _fuzz_one.codes
+    the three generation routes, eight in flight at a time: no 5xx, every 4xx a JSON error, and
+    afterwards the engine still serves the fixed request exactly as before."""
+    requests: list[tuple[str, dict]] = []
+    _fuzz_one(requests)
+    codes = send_all(server, requests)
+    print("fuzz status codes:", dict(codes))
+    assert sum(codes.values()) >= 1500, codes
+    assert codes[200] > 50 and codes[400] > 200, codes
     assert_serves_as_before(server)
 
 
@@ -249,25 +258,27 @@ def from_schema(schema: dict, defs: dict, budget_cap: int = 8) -> st.SearchStrat
 
 
 def test_requests_generated_from_the_published_schema_never_get_a_5xx(server):
-    """1,000 requests generated from /openapi.json (from_schema above): valid ones are
+    """1,000 requests generated from /openapi.json (from_schema above), eight in flight at a
+    time: valid ones are
     served (200, or a 400 for a value the schema cannot express, such as a prompt longer than
     the context), none is a 5xx, every 4xx is a JSON error naming its problem."""
     doc = httpx.get(server.url + "/openapi.json", timeout=10).json()
     defs = doc["components"]["schemas"]
-    codes: dict[int, int] = {}
-    with httpx.Client(base_url=server.url, headers={**AUTH, "content-type": "application/json"},
-                      timeout=120) as client:
-        for route, item in doc["paths"].items():
-            ref = item["post"]["requestBody"]["content"]["application/json"]["schema"]
+    requests: list[tuple[str, dict]] = []
+    for route, item in doc["paths"].items():
+        ref = item["post"]["requestBody"]["content"]["application/json"]["schema"]
+        bodies: list[dict] = []
 
-            @settings(max_examples=334, deadline=None, derandomize=True, database=None,
-                      suppress_health_check=list(HealthCheck))
-            @given(payload=from_schema(ref, defs))
-            def one(payload):
-                send_and_check(client, route, payload, codes)
-            one()
-    print("schema fuzz status codes:", codes)
-    assert sum(codes.values()) >= 1000 and codes.get(200, 0) > 400, codes
+        @settings(max_examples=334, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(payload=from_schema(ref, defs))
+        def one(payload):
+            bodies.append(payload)
+        one()
+        requests += [(route, b) for b in bodies]
+    codes = send_all(server, requests)
+    print("schema fuzz status codes:", dict(codes))
+    assert sum(codes.values()) >= 1000 and codes[200] > 400, codes
     assert_serves_as_before(server)
 
 

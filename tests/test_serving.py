@@ -232,6 +232,15 @@ def test_metrics_parse_and_move(server):
     length = 'mbd_finished_requests_total{"finish_reason": "length"}'
     assert after[length] == before.get(length, 0) + 1
     assert not [k for k in after if "_created" in k]
+    # What the alert rules (deploy/prometheus) read: startup costs, the step time, the queue's
+    # limit, the process's CPU time (no accelerator memory on CPU).
+    assert after["mbd_model_load_seconds"] > 0 and after["mbd_warmup_seconds"] > 0
+    assert after["mbd_decode_step_seconds_count"] > before["mbd_decode_step_seconds_count"]
+    assert 0 < after["mbd_decode_step_seconds_sum"] / after["mbd_decode_step_seconds_count"] < 5
+    assert after["mbd_queue_limit"] == 128  # live_server's queue_size
+    assert after["process_cpu_seconds_total"] > 0 and after["mbd_cpu_cores"] >= 1
+    assert "mbd_empty_responses_total" in after
+    assert not [k for k in after if k.startswith("mbd_device_memory_bytes")]
     text = httpx.get(server.admin + "/metrics", timeout=10).text
     assert re.search(r"# TYPE mbd_compilations(_total)? counter", text)
 
@@ -601,20 +610,26 @@ def test_https_on_the_data_port_and_plain_http_refused_there(tmp_path, offline):
     """--ssl-certfile / --ssl-keyfile: the official openai client completes over HTTPS (trusting
     the self-signed certificate) as offline generate does; plain HTTP on that port gets no
     answer; the admin port stays plain HTTP. A key that does not load is one error line at
-    start, naming the setting."""
+    start, naming the setting. The same server logs to a file rotated by size (monitoring.log_*),
+    and no log line carries a request's text."""
     import ssl
 
     from tests.live_server import free_port, self_signed_certificate
 
     cert, key = self_signed_certificate(tmp_path)
-    s = Server(tmp_path, [KEY], tls=(cert, key))
+    log_file = tmp_path / "mbd.log"
+    s = Server(tmp_path, [KEY], tls=(cert, key), sections={"monitoring": {
+        "log_level": "info", "log_file": str(log_file), "log_max_bytes": 1024, "log_backups": 2}})
+    secret = "Sort: 3 1 2 zebra-7781"
     try:
         assert s.url.startswith("https://")
         c = openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0, timeout=120,
                           http_client=httpx.Client(verify=s.verify))
-        (want,) = offline([offline.tokenizer.encode("Sort: 3 1 2")], max_new_tokens=12)
-        r = c.completions.create(model="tiny-random", prompt="Sort: 3 1 2", max_tokens=12)
+        (want,) = offline([offline.tokenizer.encode(secret)], max_new_tokens=12)
+        r = c.completions.create(model="tiny-random", prompt=secret, max_tokens=12)
         assert r.choices[0].text == want.text
+        c.chat.completions.create(model="tiny-random", max_tokens=4, store=True,  # one warning
+                                  messages=[{"role": "user", "content": secret}])
         with pytest.raises(httpx.TransportError):
             httpx.get(f"http://127.0.0.1:{s.port}/ready", timeout=10)
         with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
@@ -622,6 +637,14 @@ def test_https_on_the_data_port_and_plain_http_refused_there(tmp_path, offline):
         assert httpx.get(s.admin + "/metrics", timeout=10).status_code == 200
     finally:
         s.stop()
+    logs = sorted(tmp_path.glob("mbd.log*"))
+    names = [p.name for p in logs]  # rotated at 1 KiB, at most 2 old files kept
+    assert names[:2] == ["mbd.log", "mbd.log.1"] and set(names) <= {"mbd.log", "mbd.log.1",
+                                                                     "mbd.log.2"}
+    text = "".join(p.read_text() for p in logs)
+    assert all(p.stat().st_size <= 1024 for p in logs)
+    assert "ignoring store" in text  # the request was logged about ...
+    assert "zebra" not in text  # ... without its text
     r = subprocess.run([sys.executable, "-m", "mbd_jax", "serve", "--model", "tiny-random",
                         "--port", str(free_port()), "--admin-port", "0",
                         "--ssl-certfile", str(cert), "--ssl-keyfile", str(tmp_path / "none.pem")],

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+import jax
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
@@ -10,6 +13,7 @@ from prometheus_client.registry import Collector
 from mbd_jax import compile_stats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2)
 
 
 class _ReadCounters(Collector):
@@ -25,6 +29,13 @@ class _ReadCounters(Collector):
     def collect(self):
         for name, doc, read in self.counters:
             yield CounterMetricFamily(name, doc, value=read())
+
+
+def _memory_stats(device) -> dict | None:
+    try:
+        return device.memory_stats()
+    except Exception:  # noqa: BLE001 - a backend without the call, or one that fails it
+        return None
 
 
 class Metrics:
@@ -72,6 +83,26 @@ class Metrics:
                                              registry=r)
         self._read.add("mbd_compilations", "XLA compilations in this process",
                        compile_stats.compiles)
+        # Startup and step costs, and what the alert rules (deploy/prometheus) compare against.
+        self.model_load = Gauge("mbd_model_load_seconds", "Seconds to load the model and build "
+                                "the engine at startup", registry=r)
+        self.warmup = Gauge("mbd_warmup_seconds", "Seconds to compile (or read back) every "
+                            "program before the service turned ready", registry=r)
+        self.decode_step = Histogram("mbd_decode_step_seconds", "Denoising step time: each "
+                                     "decode call's seconds per forward", buckets=STEP_BUCKETS,
+                                     registry=r)
+        self.queue_limit = Gauge("mbd_queue_limit", "Waiting requests the queue holds before "
+                                 "429 (server.queue_size)", registry=r)
+        prometheus_client.ProcessCollector(registry=r)  # process_cpu_seconds_total, memory, fds
+        Gauge("mbd_cpu_cores", "CPU cores this process may run on (CPU use = rate of "
+              "process_cpu_seconds_total / this)", registry=r).set(len(os.sched_getaffinity(0)))
+        memory = Gauge("mbd_device_memory_bytes", "Accelerator memory per local device (where "
+                       "the backend reports it: not on CPU)", ["device", "kind"], registry=r)
+        for dev in jax.local_devices():
+            if _memory_stats(dev) is not None:
+                for kind, key in (("in_use", "bytes_in_use"), ("limit", "bytes_limit")):
+                    memory.labels(device=str(dev.id), kind=kind).set_function(
+                        lambda dev=dev, key=key: (_memory_stats(dev) or {}).get(key, 0))
         if engine is not None and engine.prefix_store is not None:
             self._prefix_cache(engine)
 

@@ -144,7 +144,9 @@ class Scheduler:
     # ------------------------------------------------------------ the engine thread
     def _run(self) -> None:
         try:
+            t0 = time.monotonic()
             self.engine.warmup(progress=lambda message: log.info("warm-up: %s", message))
+            self.metrics.warmup.set(time.monotonic() - t0)
             state = self.engine.empty_state()
         except BaseException as e:
             self._fatal(e)
@@ -201,6 +203,9 @@ class Scheduler:
             return state, admission, False
         self._touched, self._in_decode = set(self._rows), True  # one program runs every row
         state = self.engine.decode_call(state, self.cfg.server.steps_per_call)
+        seconds, steps = self.engine.call_log[-1]
+        if steps:
+            self.metrics.decode_step.observe(seconds / steps)
         stopped = self._publish(self._fetch(state))
         if stopped:  # a stop string ended these rows early: free them at the next step
             state = self.engine.cancel(state, stopped)

@@ -19,11 +19,13 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import logging.handlers
 import os
 import pathlib
 import signal
 import socket
 import ssl
+import time
 
 import jax
 import uvicorn
@@ -31,7 +33,7 @@ import uvicorn
 from mbd_jax import chat, compile_cache
 from mbd_jax.cache.prefix_store import PrefixStore, model_identity
 from mbd_jax.checkpoint import load_model
-from mbd_jax.config import ServeConfig, ServerConfig, resolve_model_path
+from mbd_jax.config import MonitoringConfig, ServeConfig, ServerConfig, resolve_model_path
 from mbd_jax.engine import Engine
 from mbd_jax.errors import UserError
 from mbd_jax.parallel import multihost
@@ -93,10 +95,14 @@ def build_engine(cfg: ServeConfig, mesh: jax.sharding.Mesh | None = None) -> Eng
 
 def build_service(cfg: ServeConfig, api_keys: list[str], profile_dir: str = "profiles",
                   mesh: jax.sharding.Mesh | None = None) -> Service:
+    t0 = time.monotonic()
     engine = build_engine(cfg, mesh)
+    load_seconds = time.monotonic() - t0
     if jax.process_count() > 1:  # process 0: every engine call goes to the followers first
         engine = multihost.EngineLeader(engine)
     metrics = Metrics(engine)
+    metrics.model_load.set(load_seconds)
+    metrics.queue_limit.set(cfg.server.queue_size)
     scheduler = Scheduler(engine, cfg, metrics)
     template = chat.for_model(resolve_model_path(cfg.model).parent, engine.cfg.chat_template)
     return Service(cfg=cfg, scheduler=scheduler, metrics=metrics, template=template,
@@ -148,8 +154,10 @@ async def _serve(svc: Service, sockets: list[socket.socket], tls: ssl.SSLContext
     level = svc.cfg.monitoring.log_level
     protocol = guarded_protocol(connection_budget(len(sockets), s.max_connections),
                                 s.header_timeout_s, svc.metrics)
+
     def config(app, context: ssl.SSLContext | None) -> uvicorn.Config:
-        return uvicorn.Config(app, log_level=level, lifespan="off", access_log=False,
+        return uvicorn.Config(app, log_level=level, log_config=None,  # our handlers (setup_logging)
+                              lifespan="off", access_log=False,
                               timeout_graceful_shutdown=5, timeout_keep_alive=s.keep_alive_s,
                               http=protocol, ssl_context_factory=(
                                   None if context is None else lambda *_: context))
@@ -201,17 +209,29 @@ async def _serve(svc: Service, sockets: list[socket.socket], tls: ssl.SSLContext
     return code
 
 
-def serve(cfg: ServeConfig, api_keys: list[str], mesh: jax.sharding.Mesh | None = None) -> int:
-    logging.basicConfig(level=cfg.monitoring.log_level.upper(),
+def setup_logging(m: MonitoringConfig) -> None:
+    """The process's log: stderr, or monitoring.log_file rotated by size."""
+    handler: logging.Handler = logging.StreamHandler()
+    if m.log_file:
+        try:
+            handler = logging.handlers.RotatingFileHandler(m.log_file, maxBytes=m.log_max_bytes,
+                                                           backupCount=m.log_backups)
+        except OSError as e:
+            raise UserError(f"monitoring.log_file {m.log_file}: {e.strerror}") from None
+    logging.basicConfig(level=m.log_level.upper(), handlers=[handler], force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def serve(cfg: ServeConfig, api_keys: list[str], mesh: jax.sharding.Mesh | None = None) -> int:
+    setup_logging(cfg.monitoring)
     cache = compile_cache.enable(cfg.server.compile_cache, "server.compile_cache")  # first compile
-    log.info("compilation cache: %s", cache or "off")
     cfg = multihost.share(cfg)  # process 0's config builds every process's engine
     if not multihost.is_leader():  # a follower: mirror process 0's engine calls until it stops
         multihost.follow(build_engine(cfg, mesh))
         return 0
     sockets = listen(cfg)
     tls = tls_context(cfg.server)
+    log.info("compilation cache: %s", cache or "off")
     if not api_keys:
         log.warning("no API keys configured (--api-key, --api-key-file or MBD_API_KEYS): the "
                     "service is open")
