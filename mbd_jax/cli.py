@@ -61,7 +61,10 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     from mbd_jax.config import AUTO, AttentionImpl, DType, LayerLoop, MoeImpl
 
     def auto(field: str) -> str:
-        return f"auto = {AUTO[field]['cpu']} on CPU, {AUTO[field]['*']} elsewhere"
+        table = AUTO[field]
+        if "cpu" not in table:
+            return f"auto = {table['*']}"
+        return f"auto = {table['cpu']} on CPU, {table['*']} elsewhere"
 
     g = p.add_argument_group("runtime settings (default: the model's config)")
     g.add_argument("--moe-impl", choices=typing.get_args(MoeImpl), help="expert path; " + auto("moe_impl"))

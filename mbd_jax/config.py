@@ -37,18 +37,17 @@ RouterType = Literal["softmax_topk", "sigmoid_grouped"]
 MoeImpl = Literal["auto", "dense", "ragged", "tiled", "looped"]  # auto: chosen per backend (model/moe.py)
 AttentionImpl = Literal["chunked", "dense"]
 # How the layers run: one lax.scan per run of identical layers (compile time and program size
-# flat in depth) or unrolled (XLA CPU copies each scanned layer's weight slice); auto: per backend
-# (model/layout.py)
+# flat in depth; on this CPU also the faster decode step, docs/performance.md) or unrolled.
 LayerLoop = Literal["auto", "scan", "unrolled"]
 
 # What `auto` stands for, per JAX backend ("*": every other one): the one table of such defaults.
 # moe_impl: on CPU the looped path reads only the hit experts' weights (dense computes all E,
 # tiled gathers a weight matrix per tile, ragged_dot expands densely); accelerators have a
-# grouped-matmul kernel behind ragged_dot. layer_loop: XLA:CPU copies a scanned layer's weight
-# slice before each matmul, so CPU stays unrolled; elsewhere the scan keeps compile time flat.
+# grouped-matmul kernel behind ragged_dot. layer_loop: scan everywhere (compile time flat in
+# depth; the decode step measured 1.3-1.9x faster than unrolled on CPU, docs/performance.md).
 AUTO: dict[str, dict[str, str]] = {
     "moe_impl": {"cpu": "looped", "*": "ragged"},
-    "layer_loop": {"cpu": "unrolled", "*": "scan"},
+    "layer_loop": {"*": "scan"},
 }
 
 

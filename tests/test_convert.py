@@ -17,6 +17,7 @@ from mbd_jax.config import DecodeConfig
 from mbd_jax.convert import convert
 from mbd_jax.engine import Engine
 from mbd_jax.errors import ConfigError, UserError
+from mbd_jax.model import layout
 from mbd_jax.model.transformer import Attention, MoE, Transformer, block_causal_mask
 
 BLOCK = 4
@@ -215,7 +216,7 @@ def test_llada2_moe_layer_matches_transformers_deepseek_v3(llada):
     x = torch.randn(2, 9, c["hidden_size"], generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         want = ref(x).numpy()
-    got = MoE(loaded.cfg).apply({"params": loaded.params["layer_1"]["moe"]}, jnp.asarray(x.numpy()))
+    got = MoE(loaded.cfg).apply({"params": layout.to_canonical(loaded.params, loaded.cfg)["layer_1"]["moe"]}, jnp.asarray(x.numpy()))
     assert np.abs(want).max() > 0.1
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
 
@@ -263,7 +264,7 @@ def test_llada2_attention_matches_numpy(llada):
     sd, loaded = llada
     x = np.random.default_rng(4).normal(size=(11, LLADA["hidden_size"]))
     pos = jnp.arange(11)[None]
-    got, _ = Attention(loaded.cfg).apply({"params": loaded.params["layer_0"]["attn"]},
+    got, _ = Attention(loaded.cfg).apply({"params": layout.to_canonical(loaded.params, loaded.cfg)["layer_0"]["attn"]},
                                          jnp.asarray(x[None], jnp.float32), pos, None, None, None, None,
                                          block_causal_mask(pos, BLOCK))
     want = np_llada_attention(sd, 0, x, LLADA)

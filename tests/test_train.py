@@ -102,14 +102,16 @@ SHARDED_SCRIPT = textwrap.dedent("""
                 meshlib.make_mesh(meshlib.parse_mesh(name)))
         t = Trainer(tcfg(objective="multitf", g_max=2), cfg, params, tok, mesh=mesh)
         losses = [t.train_step()["loss"] for _ in range(3)]
-        leaf = t.state["params"]["layer_1"]["moe"]["experts_up"]
-        mu = t.state["opt_state"][1][0].mu["layer_1"]["moe"]["experts_up"]
+        layer_1 = lambda tree: (tree.get("layer_1") or next(  # noqa: E731 (scan: stacked)
+            v for k, v in tree.items() if k.startswith("layers_1_")))["moe"]["experts_up"]
+        leaf = layer_1(t.state["params"])
+        mu = layer_1(t.state["opt_state"][1][0].mu)
         out[name] = {"losses": losses, "params": [np.asarray(x).ravel().tolist()
                                                   for x in jax.tree.leaves(t.state["params"])],
                      "batch_shards": len(t.batch_sharding.addressable_devices),
                      "param_devices": len(leaf.sharding.device_set),
-                     "experts_local": list(leaf.addressable_shards[0].data.shape),
-                     "moment_local": list(mu.addressable_shards[0].data.shape)}
+                     "experts_local": list(leaf.addressable_shards[0].data.shape)[-3:],
+                     "moment_local": list(mu.addressable_shards[0].data.shape)[-3:]}
     print(json.dumps(out))
 """)
 
