@@ -25,7 +25,8 @@ def test_buffer_path_equals_full_forward(router, attention, moe_impl):
         params = jax.tree.map(lambda x: x, params)
         for name, layer in params.items():
             if isinstance(layer, dict) and "moe" in layer:
-                layer["moe"]["expert_bias"] = jax.random.normal(jax.random.PRNGKey(7), (cfg.num_experts,)) * 0.05
+                shape = layer["moe"]["expert_bias"].shape  # [E], or [layers, E] when scanned
+                layer["moe"]["expert_bias"] = jax.random.normal(jax.random.PRNGKey(7), shape) * 0.05
     blk = cfg.block_size
     model = Transformer(cfg)
     apply = jax.jit(model.apply)  # one compile per shape; eager dispatch of every op is slow
