@@ -37,17 +37,19 @@ RouterType = Literal["softmax_topk", "sigmoid_grouped"]
 MoeImpl = Literal["auto", "dense", "ragged", "tiled", "looped"]  # auto: chosen per backend (model/moe.py)
 AttentionImpl = Literal["chunked", "dense"]
 # How the layers run: one lax.scan per run of identical layers (compile time and program size
-# flat in depth; on this CPU also the faster decode step, docs/performance.md) or unrolled.
+# flat in depth) or unrolled; auto: per backend (AUTO below).
 LayerLoop = Literal["auto", "scan", "unrolled"]
 
 # What `auto` stands for, per JAX backend ("*": every other one): the one table of such defaults.
 # moe_impl: on CPU the looped path reads only the hit experts' weights (dense computes all E,
 # tiled gathers a weight matrix per tile, ragged_dot expands densely); accelerators have a
-# grouped-matmul kernel behind ragged_dot. layer_loop: scan everywhere (compile time flat in
-# depth; the decode step measured 1.3-1.9x faster than unrolled on CPU, docs/performance.md).
+# grouped-matmul kernel behind ragged_dot. layer_loop: XLA:CPU copies a scanned layer's whole
+# weight slice before use, which undoes the looped expert path's reading only the hit experts
+# (0.2x PyTorch at batch 16 scanned against 1.1x unrolled, docs/performance.md), so CPU stays
+# unrolled; elsewhere the scan keeps compile time flat in depth.
 AUTO: dict[str, dict[str, str]] = {
     "moe_impl": {"cpu": "looped", "*": "ragged"},
-    "layer_loop": {"*": "scan"},
+    "layer_loop": {"cpu": "unrolled", "*": "scan"},
 }
 
 

@@ -83,10 +83,14 @@ def test_every_parameter_carries_logical_axes(cfg, params):
     assert axes.keys() == shapes.keys()
     for path, spec in axes.items():
         assert len(tuple(spec)) == shapes[path].ndim, path
-    # scanned runs put "layers" in front of each stacked parameter's names
-    assert tuple(axes[("layers_1_3", "moe", "experts_gate")]) == ("layers", "expert", "embed", "mlp")
-    assert tuple(axes[("layers_0_1", "attn", "q_proj")]) == ("layers", "embed", "heads", "head_dim")
     canonical = flatten_dict(param_logical_axes(dataclasses.replace(cfg, layer_loop="unrolled")))
     assert tuple(canonical[("layer_1", "moe", "experts_gate")]) == ("expert", "embed", "mlp")
+    assert tuple(canonical[("layer_0", "attn", "q_proj")]) == ("embed", "heads", "head_dim")
     assert tuple(canonical[("layer_0", "attn", "k_proj")]) == ("embed", "kv_heads", "head_dim")
+    # scanned runs put "layers" in front of each stacked parameter's names
+    scanned = flatten_dict(param_logical_axes(dataclasses.replace(cfg, layer_loop="scan")))
+    assert tuple(scanned[("layers_1_3", "moe", "experts_gate")]) == ("layers", "expert", "embed",
+                                                                     "mlp")
+    assert tuple(scanned[("layers_0_1", "attn", "q_proj")]) == ("layers", "embed", "heads",
+                                                                "head_dim")
     assert tuple(axes[("embed",)]) == ("vocab", "embed")

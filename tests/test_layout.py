@@ -30,10 +30,11 @@ def test_runs_group_consecutive_layers_of_one_kind():
                                 first_k_dense=0)) == [(0, 3)]
 
 
-def test_auto_scans_on_every_backend():
-    assert layout.resolve_loop("auto", "cpu") == "scan"
+def test_auto_is_unrolled_on_cpu_and_scanned_elsewhere():
+    assert layout.resolve_loop("auto", "cpu") == "unrolled"
     assert layout.resolve_loop("auto", "gpu") == "scan"
-    assert layout.resolve_loop("unrolled", "cpu") == "unrolled"
+    assert layout.resolve_loop("auto", "tpu") == "scan"
+    assert layout.resolve_loop("scan", "cpu") == "scan"
 
 
 def test_scanned_params_are_the_unrolled_ones_stacked(cfg):

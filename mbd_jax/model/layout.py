@@ -8,9 +8,9 @@ or MoE), so XLA compiles one layer per run and compile time stays flat in depth.
 one subtree per run, `layers_{start}_{stop}`, each leaf the layer leaves stacked on a leading
 axis (logical axis name "layers").
 
-Which one runs is `ModelConfig.layer_loop`; `auto` (config.AUTO) is the scan on every backend:
-besides the flat compile time, the engine's decode step measured faster scanned than unrolled on
-CPU too (docs/performance.md), although XLA:CPU copies each iteration's weight slice.
+Which one runs is `ModelConfig.layer_loop`; `auto` is per backend (config.AUTO): XLA:CPU copies
+each scanned iteration's whole weight slice (all experts of a MoE layer) before use, so CPU runs
+unrolled; GPU and TPU scan (docs/performance.md has both sides of the CPU measurement).
 """
 
 from __future__ import annotations
