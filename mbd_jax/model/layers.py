@@ -87,10 +87,15 @@ def chunked_attention(q: jax.Array, kv: KVCache, layer, q_pos: jax.Array,
     need = jnp.minimum(jnp.max(visible_len), jnp.max(q_pos // block_size + 1) * block_size)
     n_chunks = jnp.clip((need + chunk - 1) // chunk, 1, s_max // chunk)
 
+    # This layer's keys and values, taken out once: the loop then carries one layer, not the
+    # whole stacked buffer (which XLA:CPU would copy into the loop for every layer).
+    k_layer, v_layer = kv.chunk(layer, 0, s_max)  # [B, S_max, K, Dh]
+
     def body(i, carry):
         m, l, acc = carry  # m, l: [B, K, G, T]; acc: [B, K, G, T, Dh]
         start = i * chunk
-        ks, vs = kv.chunk(layer, start, chunk)  # [B, chunk, K, Dh]
+        ks = jax.lax.dynamic_slice_in_dim(k_layer, start, chunk, axis=1)  # [B, chunk, K, Dh]
+        vs = jax.lax.dynamic_slice_in_dim(v_layer, start, chunk, axis=1)
         mask = block_causal_visible(q_pos, start + jnp.arange(chunk), visible_len, block_size)
         s = jnp.einsum("btkgd,bskd->bkgts", qg, ks.astype(q.dtype),
                        preferred_element_type=jnp.float32) * scale
