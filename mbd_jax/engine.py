@@ -172,14 +172,14 @@ class Engine:
                 raise UserError("the prefix cache runs on one process; disable cache.enabled for "
                                 "a multi-process launch")
             prefix_store.expect((cfg.num_layers, 2, cfg.block_size, cfg.num_kv_heads,
-                                 cfg.head_dim), self.kv.k.dtype)
+                                 cfg.head_dim), self.kv.dtype)
             self._load = jax.jit(kvlib.load_blocks, donate_argnames=("kv",),
                                  out_shardings=kv_sharding)
             gather = jax.jit(lambda staging, kv, rows, starts: kvlib.gather_blocks(
                 kv, rows, starts, cfg.block_size), donate_argnums=0, out_shardings=replicated)
             staging = (offload_blocks_per_call, cfg.num_layers, 2, cfg.block_size,
                        cfg.num_kv_heads, cfg.head_dim)
-            empty = jax.jit(lambda: jnp.zeros(staging, self.kv.k.dtype),
+            empty = jax.jit(lambda: jnp.zeros(staging, self.kv.dtype),
                             out_shardings=replicated)
             self.offloader = KVOffloader(prefix_store, gather, empty, batch_size,
                                          offload_blocks_per_call)
@@ -530,7 +530,7 @@ class Engine:
             if self.offloader is not None:  # loading t cached tokens into a row (scratch here)
                 cfg = self.cfg
                 blocks = np.zeros((cfg.num_layers, 2, t, cfg.num_kv_heads, cfg.head_dim),
-                                  self.kv.k.dtype)
+                                  self.kv.dtype)
                 self.kv = self._load(self.kv, self._put(blocks), np.int32(0),
                                      np.int32(self.scratch_offset))
         if self.offloader is not None:

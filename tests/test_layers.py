@@ -60,15 +60,21 @@ def test_chunked_attention_equals_dense_over_the_buffer():
 
 
 def test_kv_write_puts_each_row_at_its_offset_in_one_layer():
+    """Both forms of the buffer (stacked for scanned layers, per layer for unrolled ones) write
+    the same positions and leave the other layers alone."""
     zeros = jnp.zeros((3, 2, 16, 1, 1), jnp.float32)  # [L, B, S, K, Dh]
     new = jnp.ones((2, 3, 1, 1), jnp.float32) * jnp.array([1.0, 2.0])[:, None, None, None]
-    kv = jax.jit(KVCache.write)(KVCache(k=zeros, v=zeros), jnp.int32(1), new, -new,
-                                jnp.array([0, 5]))
-    k, v = np.asarray(kv.k)[..., 0, 0], np.asarray(kv.v)[..., 0, 0]
-    assert k[1, 0].tolist() == [1, 1, 1] + [0] * 13
-    assert k[1, 1].tolist() == [0] * 5 + [2, 2, 2] + [0] * 8
-    np.testing.assert_array_equal(v[1], -k[1])
-    assert not k[[0, 2]].any() and not v[[0, 2]].any()  # other layers untouched
+    offset = jnp.array([0, 5])
+    stacked = jax.jit(KVCache.write)(KVCache(k=zeros, v=zeros), jnp.int32(1), new, -new, offset)
+    per_layer = KVCache(k=tuple(zeros), v=tuple(zeros)).write(1, new, -new, offset)
+    assert stacked.stacked and not per_layer.stacked
+    for kv in (stacked, per_layer):
+        k = np.stack([np.asarray(a) for a in (kv.k if not kv.stacked else list(kv.k))])[..., 0, 0]
+        v = np.stack([np.asarray(a) for a in (kv.v if not kv.stacked else list(kv.v))])[..., 0, 0]
+        assert k[1, 0].tolist() == [1, 1, 1] + [0] * 13
+        assert k[1, 1].tolist() == [0] * 5 + [2, 2, 2] + [0] * 8
+        np.testing.assert_array_equal(v[1], -k[1])
+        assert not k[[0, 2]].any() and not v[[0, 2]].any()  # other layers untouched
 
 
 def test_every_parameter_carries_logical_axes(cfg, params):

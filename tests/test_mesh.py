@@ -64,13 +64,14 @@ FORWARD = textwrap.dedent("""
             # per-layer shapes (a scanned run stacks its layers on a leading axis)
             experts = (sharded.get("layer_1") or sharded["layers_1_3"])["moe"]["experts_up"]
             q = (sharded.get("layer_0") or sharded["layers_0_1"])["attn"]["q_proj"]
-            kv = meshlib.kv_shardings(cfg, m, 2, 64).k
+            kv = jax.tree.leaves(meshlib.kv_shardings(cfg, m, 2, 64))[0]  # scan: all layers
             out.append({"router": router, "impl": impl, "mesh": shape, "err": float(np.abs(got - ref).max()),
                         "experts_local": list(experts.addressable_shards[0].data.shape)[-3:],
                         "experts_global": list(experts.shape)[-3:],
                         "q_local": list(q.addressable_shards[0].data.shape)[-3:],
-                        "kv_local": list(kv.shard_shape((cfg.num_layers, 2, 64, cfg.num_kv_heads,
-                                                         cfg.head_dim))),
+                        "kv_local": list(kv.shard_shape(
+                            (cfg.num_layers, 2, 64, cfg.num_kv_heads, cfg.head_dim)[
+                                0 if impl == "tiled" else 1:]))[-4:],
                         "hidden": cfg.hidden_size,
                         "all_reduce": re.findall(r"= (f32\\[[0-9,]+\\])[^ ]* all-reduce\\(", hlo),
                         "all_gather": re.findall(r"= (f32\\[[0-9,]+\\])[^ ]* all-gather\\(", hlo)})
@@ -91,7 +92,7 @@ def test_expert_parallel_forward_equals_unsharded_on_8_cpu_devices():
         e, d, f = row["experts_global"]
         assert row["experts_local"] == [e // expert, d, f // tensor], row
         assert row["q_local"][1] == 8 // tensor, row  # heads split on tensor
-        assert row["kv_local"] == [3, 2 // data, 64, 8 // tensor, 16], row
+        assert row["kv_local"] == [2 // data, 64, 8 // tensor, 16], row
         size = lambda shape: math.prod(int(n) for n in shape[4:-1].split(","))  # noqa: E731
         assert 2 * 24 // data * row["hidden"] in map(size, row["all_reduce"]), row  # the combine
         for shape in row["all_gather"]:  # routing logits may be gathered, expert weights never
@@ -118,8 +119,9 @@ ENGINE = textwrap.dedent("""
         layer_1 = engine.params.get("layer_1") or engine.params["layers_1_4"]  # scan: stacked
         experts = layer_1["moe"]["experts_up"]
         return {"tokens": first, "again": again, "compiles": compile_stats.compiles() - c0,
-                "kv_local": list(engine.kv.k.addressable_shards[0].data.shape),
-                "kv_global": list(engine.kv.k.shape),
+                "kv_local": list(jax.tree.leaves(engine.kv)[0].addressable_shards[0].data.shape)[-4:],
+                "kv_global": list(jax.tree.leaves(engine.kv)[0].shape)[-4:],
+                "kv_stacked": engine.kv.stacked,
                 "experts_local": list(experts.addressable_shards[0].data.shape)[-3:]}
     out = {"one": run(None)}
     out["expert=8"] = run(meshlib.make_mesh(meshlib.parse_mesh("expert=8")))
@@ -142,8 +144,9 @@ def test_sharded_engine_generates_the_same_tokens():
         assert got["again"] == one["tokens"], spec
         assert got["compiles"] == 0, spec
         sizes = meshlib.parse_mesh(spec.removeprefix("scan: "), 8)
-        n, b, s, k, dh = got["kv_global"]  # tiny-moe: 2 KV heads, 8 experts of width 128
-        assert got["kv_local"] == [n, b // sizes["data"], s, k // sizes["tensor"], dh], spec
+        b, s, k, dh = got["kv_global"]  # tiny-moe: 2 KV heads, 8 experts of width 128
+        assert got["kv_local"] == [b // sizes["data"], s, k // sizes["tensor"], dh], spec
+        assert got["kv_stacked"] == spec.startswith("scan"), spec  # the form follows the loop
         assert got["experts_local"] == [8 // sizes["expert"], 128, 128 // sizes["tensor"]], spec
 
 

@@ -206,7 +206,7 @@ def first_step_logits(engine: Engine, prompt: list[int], row: int = 0) -> np.nda
     start = int(host.cached_len[row])
     window = host.canvas[row:row + 1, start:start + 2 * cfg.block_size]
     pos = start + np.arange(window.shape[1], dtype=np.int32)[None]
-    kv = jax.tree.map(lambda a: a[:, row:row + 1], engine.kv)  # [L, B, ...]
+    kv = jax.tree.map(lambda a: a[..., row:row + 1, :, :, :], engine.kv)  # rows: axis -4
     logits, _ = Transformer(cfg).apply({"params": engine.params}, window, pos, kv,
                                        np.array([start], np.int32),
                                        np.array([start + window.shape[1]], np.int32))

@@ -79,7 +79,7 @@ def chunked_attention(q: jax.Array, kv: KVCache, layer, q_pos: jax.Array,
     q_pos: [B, T]; visible_len: [B]. Returns [B, T, H, Dh].
     """
     b, t, h, dh = q.shape
-    s_max, kh = kv.capacity, kv.k.shape[3]
+    s_max, kh = kv.capacity, kv.kv_heads
     g = h // kh
     qg = q.reshape(b, t, kh, g, dh)
     scale = dh ** -0.5
@@ -87,9 +87,9 @@ def chunked_attention(q: jax.Array, kv: KVCache, layer, q_pos: jax.Array,
     need = jnp.minimum(jnp.max(visible_len), jnp.max(q_pos // block_size + 1) * block_size)
     n_chunks = jnp.clip((need + chunk - 1) // chunk, 1, s_max // chunk)
 
-    # This layer's keys and values, taken out once: the loop then carries one layer, not the
+    # This layer's keys and values, taken out once: the loop then carries one layer, not a
     # whole stacked buffer (which XLA:CPU would copy into the loop for every layer).
-    k_layer, v_layer = kv.chunk(layer, 0, s_max)  # [B, S_max, K, Dh]
+    k_layer, v_layer = kv.layer(layer)  # [B, S_max, K, Dh]
 
     def body(i, carry):
         m, l, acc = carry  # m, l: [B, K, G, T]; acc: [B, K, G, T, Dh]

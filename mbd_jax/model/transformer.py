@@ -8,8 +8,8 @@ Without one (`kv=None`), the layers attend over the T tokens themselves under an
 `mask[B, T, T]` (training, and the full-sequence reference in tests).
 
 The layers run unrolled or as one nn.scan per run of identical layers (model/layout.py); either
-way each layer gets its index and the carry (x, kv), so the KV buffer is one array for all
-layers, written in place at [layer, row, offset].
+way each layer gets its index and the carry (x, kv); the KV buffer's form follows the loop
+(kv.py: per-layer arrays unrolled, one stacked array scanned).
 
 With a device `mesh` of more than one device, the routed experts run expert-parallel inside
 shard_map (parallel/expert.py); everything else is partitioned by XLA from the parameter and
@@ -74,7 +74,7 @@ class Attention(nn.Module):
                 out = layers.chunked_attention(q, kv, layer, positions, visible_len,
                                                cfg.block_size, min(cfg.attention_chunk, kv.capacity))
             else:
-                k_all, v_all = kv.chunk(layer, 0, kv.capacity)
+                k_all, v_all = kv.layer(layer)
                 visible = layers.block_causal_visible(positions, jnp.arange(kv.capacity),
                                                       visible_len, cfg.block_size)
                 out = layers.dense_attention(q, k_all.astype(dt), v_all.astype(dt), visible)

@@ -109,12 +109,17 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def kv_shardings(cfg: ModelConfig, mesh: Mesh, batch: int, capacity: int) -> Any:
-    """A KVCache of shardings: rows on `data`, KV heads on `tensor` (kv.LOGICAL_AXES)."""
+    """A KVCache of shardings in the form `cfg`'s layer loop uses (kv.allocate): rows on `data`,
+    KV heads on `tensor` (kv.LOGICAL_AXES)."""
     from mbd_jax.kv import LOGICAL_AXES, KVCache
+    from mbd_jax.model import layout
 
     shape = (cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
-    s = NamedSharding(mesh, spec_for(LOGICAL_AXES, shape, mesh))
-    return KVCache(k=s, v=s)
+    if layout.scanned(cfg):
+        s = NamedSharding(mesh, spec_for(LOGICAL_AXES, shape, mesh))
+        return KVCache(k=s, v=s)
+    s = NamedSharding(mesh, spec_for(LOGICAL_AXES[1:], shape[1:], mesh))
+    return KVCache(k=(s,) * cfg.num_layers, v=(s,) * cfg.num_layers)
 
 
 def abstract_params(cfg: ModelConfig, mesh: Mesh) -> Any:
