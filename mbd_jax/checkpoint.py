@@ -17,7 +17,8 @@ import jax
 import yaml
 from jax.sharding import Mesh
 
-from mbd_jax.config import ModelConfig, from_dict, load_yaml, resolve_model_path, with_runtime
+from mbd_jax.config import (GENERATION_FILE, ModelConfig, from_dict, latest_version, load_yaml,
+                             model_generation_settings, resolve_model_path, with_runtime)
 from mbd_jax.errors import ConfigError
 from mbd_jax.parallel import mesh as meshlib
 from mbd_jax.tokenizer import Tokenizer, load_tokenizer
@@ -63,11 +64,13 @@ def _sha256(path: pathlib.Path) -> str:
 
 
 def write_manifest(model_dir: pathlib.Path, info: dict[str, Any]) -> dict[str, Any]:
-    """Writes manifest.json: `info` plus the sha256 of every file in the directory."""
+    """Writes manifest.json: `info` plus the sha256 of every file in the directory but the
+    settings file beside the weights (config.GENERATION_FILE), which may be tuned in place."""
     manifest = dict(info)
     manifest["files"] = {str(p.relative_to(model_dir)): _sha256(p)
                          for p in sorted(model_dir.rglob("*"))
-                         if p.is_file() and p.name != "manifest.json"}
+                         if p.is_file() and p.name != "manifest.json"
+                         and p.relative_to(model_dir) != pathlib.Path(GENERATION_FILE)}
     (model_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest
 
@@ -98,8 +101,8 @@ def verify_model_dir(model_dir: str | pathlib.Path) -> list[tuple[str, str | Non
     """Checks a model directory without loading its weights: config.yaml is a valid model
     config, every file matches manifest.json, params/ holds exactly the parameters the config
     describes (names, shapes, dtypes, from orbax's metadata), the tokenizer loads and fits the
-    vocabulary. Returns (check, problem or None) per check; a check that cannot run after an
-    earlier failure is skipped."""
+    vocabulary, generation.yaml (when present) holds valid settings. Returns (check, problem or
+    None) per check; a check that cannot run after an earlier failure is skipped."""
     import orbax.checkpoint as ocp
 
     from mbd_jax.model import layout
@@ -107,6 +110,9 @@ def verify_model_dir(model_dir: str | pathlib.Path) -> list[tuple[str, str | Non
 
     d = pathlib.Path(model_dir).absolute()
     results: list[tuple[str, str | None]] = []
+    if not (d / "config.yaml").is_file() and latest_version(d) is not None:
+        d = latest_version(d)  # a directory of versions: the one the service would load
+        results.append((f"newest version {d.name}", None))
     if not (d / "config.yaml").is_file():
         return [("config.yaml", f"{d} has no config.yaml (not a model directory)")]
     try:
@@ -151,6 +157,12 @@ def verify_model_dir(model_dir: str | pathlib.Path) -> list[tuple[str, str | Non
                             f"{cfg.vocab_size}"))
         except Exception as e:  # noqa: BLE001 - any failure to load is the finding
             results.append(("tokenizer", f"{cfg.tokenizer} does not load ({e})"))
+    if (d / GENERATION_FILE).is_file():
+        try:
+            model_generation_settings(str(d))
+            results.append((GENERATION_FILE, None))
+        except ConfigError as e:
+            results.append((GENERATION_FILE, str(e)))
     return results
 
 

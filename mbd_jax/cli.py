@@ -94,14 +94,16 @@ def _runtime(args: argparse.Namespace) -> dict:
 
 
 def _decode_config(args: argparse.Namespace):
-    from mbd_jax.config import decode_config
+    """The decoding flags given, over the model directory's generation.yaml `decoding` section,
+    over DecodeConfig's defaults."""
+    from mbd_jax.config import decode_config, model_generation_settings
 
     voting = None
     if args.vote:
         voting = {k: v for k, v in (("weighting", args.vote), ("alpha", args.vote_alpha),
                                     ("extractor", args.vote_extractor),
                                     ("pattern", args.vote_pattern)) if v is not None}
-    return decode_config(
+    flags = dict(
         policy=args.policy, factor=args.factor, sampling_mode=args.sampling_mode,
         edit_threshold=args.edit_threshold, max_post_edit_steps=args.max_post_edit_steps,
         voting=voting,
@@ -112,6 +114,8 @@ def _decode_config(args: argparse.Namespace):
         steps_per_block=args.steps_per_block, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed, max_new_tokens=args.max_new_tokens, max_nfe=args.max_nfe)
+    model_defaults = model_generation_settings(getattr(args, "model", None)).get("decoding", {})
+    return decode_config(**{**model_defaults, **{k: v for k, v in flags.items() if v is not None}})
 
 
 def _progress(message: str) -> None:

@@ -358,14 +358,31 @@ def available_presets() -> list[str]:
     return sorted(shipped + [p.stem for p in MODEL_PRESET_DIR.glob("*.yaml")])
 
 
+def model_version(model_dir: pathlib.Path) -> str:
+    """A model directory's version: its name when that is v<N> (models/<name>/v<N>/), else ''."""
+    return model_dir.name if model_dir.name[:1] == "v" and model_dir.name[1:].isdigit() else ""
+
+
+def latest_version(root: pathlib.Path) -> pathlib.Path | None:
+    """The highest `v<N>` subdirectory of `root` that holds a config.yaml (models/<name>/v<N>/,
+    docs/deploy.md), None when there is none. N compares as a number: v10 is newer than v9."""
+    versions = [(int(d.name[1:]), d) for d in root.glob("v*")
+                if model_version(d) and (d / "config.yaml").is_file()]
+    return max(versions)[1] if versions else None
+
+
 def resolve_model_path(model: str) -> pathlib.Path:
-    """A shipped model or preset name, a YAML file, or a directory holding config.yaml (a
-    converted or trained model)."""
+    """A shipped model or preset name, a YAML file, a directory holding config.yaml (a converted
+    or trained model), or a directory of versions `v1/`, `v2/`, ... (its newest version)."""
     p = pathlib.Path(model)
     if p.is_dir():
-        if not (p / "config.yaml").is_file():
-            raise ConfigError(f"--model {model}: the directory has no config.yaml")
-        return p / "config.yaml"
+        if (p / "config.yaml").is_file():
+            return p / "config.yaml"
+        newest = latest_version(p)
+        if newest is None:
+            raise ConfigError(f"--model {model}: the directory has no config.yaml and no version "
+                              "subdirectory (v1/, v2/, ...) holding one")
+        return newest / "config.yaml"
     if p.is_file():
         return p
     shipped = SHIPPED_MODEL_DIR / model / "config.yaml"
@@ -585,6 +602,41 @@ class ServeConfig:
                "decoding.max_nfe must be <= generation.max_nfe_limit")
 
 
+# A model directory's generation settings, beside its weights: sections of ServeConfig, any subset
+# of their fields. Settings, not weights: outside manifest.json's checksums, so they can be tuned
+# in place (checkpoint.write_manifest skips the file).
+GENERATION_FILE = "generation.yaml"
+GENERATION_SECTIONS = ("generation", "decoding")
+
+
+def model_generation_settings(model: Any) -> dict[str, dict[str, Any]]:
+    """The validated sections of `model`'s generation.yaml, {} when it has none (a preset, a YAML
+    file, a directory without the file, or a name that does not resolve: loading the model names
+    that problem)."""
+    try:
+        config_path = resolve_model_path(model) if isinstance(model, str) else None
+    except ConfigError:
+        return {}
+    if config_path is None or config_path.name != "config.yaml":
+        return {}
+    path = config_path.parent / GENERATION_FILE
+    if not path.is_file():
+        return {}
+    data = load_yaml(path) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping with sections {', '.join(GENERATION_SECTIONS)}")
+    unknown = sorted(set(data) - set(GENERATION_SECTIONS))
+    if unknown:
+        raise ConfigError(f"{path}: unknown section '{unknown[0]}'; allowed: "
+                          f"{', '.join(GENERATION_SECTIONS)}")
+    hints = typing.get_type_hints(ServeConfig)
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: section '{section}' must be a mapping of fields")
+        from_dict(hints[section], values, where=f"{path}: {section}")  # names a bad field
+    return data
+
+
 def serve_env_names() -> dict[str, str]:
     """Environment variable -> serve config field: MBD_MODEL, MBD_SERVER_PORT,
     MBD_GENERATION_MAX_NEW_TOKENS_LIMIT, ... (one per field of every section)."""
@@ -611,7 +663,8 @@ def _scalar(text: str) -> Any:
 def load_serve_config(path: str | pathlib.Path | None, env: Mapping[str, str] | None = None,
                       **overrides: Any) -> ServeConfig:
     """The YAML at `path`, then MBD_* variables from `env` (values parsed as YAML scalars), then
-    `overrides` (the command line; None values skipped)."""
+    `overrides` (the command line; None values skipped); the model directory's generation.yaml
+    fills the generation and decoding fields none of these set."""
     data = load_yaml(pathlib.Path(path)) if path else {}
     data = data or {}
     if not isinstance(data, dict):
@@ -625,6 +678,14 @@ def load_serve_config(path: str | pathlib.Path | None, env: Mapping[str, str] | 
             data.setdefault(section, {})[field] = value
         else:
             data[section] = value
+    # The model directory's generation.yaml fills the fields this config leaves out (a section
+    # left out entirely starts from ServeConfig's default for it).
+    for section, values in model_generation_settings(data.get("model", ServeConfig.model)).items():
+        ours = data.get(section)
+        if ours is None:
+            data[section] = {**dataclasses.asdict(getattr(ServeConfig(), section)), **values}
+        elif isinstance(ours, dict):
+            data[section] = {**values, **ours}
     try:
         return from_dict(ServeConfig, data, where=str(path or "serve"))
     except ConfigError as e:

@@ -18,9 +18,10 @@ import time
 from typing import Any, Callable, Iterator
 
 import numpy as np
+import yaml
 
 from mbd_jax.checkpoint import save_model, write_manifest
-from mbd_jax.config import ModelConfig
+from mbd_jax.config import GENERATION_FILE, DecodeConfig, ModelConfig, from_dict
 from mbd_jax.errors import ConfigError, UserError
 
 CONVERTER_VERSION = "1"
@@ -271,6 +272,30 @@ def _special_ids(src: pathlib.Path, hf: dict, mask_token_id: int | None) -> tupl
     return int(mask_token_id), [int(e) for e in (eos if isinstance(eos, list) else [eos])]
 
 
+def generation_settings_from_hf(src: pathlib.Path) -> dict[str, Any]:
+    """The sampling defaults a Hugging Face generation_config.json states, as generation.yaml's
+    `decoding` section, {} when it asks for greedy decoding (mbd-jax's default). With
+    `do_sample: true`, the temperature, top_k and top_p that transformers would use (its defaults
+    1.0, 50 and 1.0 where the file is silent)."""
+    path = src / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        gen = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(gen, dict) or gen.get("do_sample") is not True:
+        return {}
+    decoding = {"temperature": gen.get("temperature", 1.0), "top_k": gen.get("top_k", 50),
+                "top_p": gen.get("top_p", 1.0)}
+    try:
+        from_dict(DecodeConfig, decoding, where=f"{path}")
+    except ConfigError as e:
+        log.warning("not carrying the sampling settings over: %s", e)
+        return {}
+    return {"decoding": decoding}
+
+
 BLOCK_SIZE_KEYS = ("block_size", "block_length", "bd_size")  # where checkpoints state it
 
 
@@ -370,6 +395,12 @@ def convert(src: str | pathlib.Path, dst: str | pathlib.Path, *, family: str = "
             if name == "tokenizer.json":
                 tokenizer_name = name
     cfg = dataclasses.replace(cfg, tokenizer=tokenizer_name)
+    settings = generation_settings_from_hf(src)
+    if settings:
+        (dst / GENERATION_FILE).write_text(
+            "# Sampling defaults from the source's generation_config.json (mbd-jax convert);\n"
+            "# settings, outside manifest.json's checksums: tune them here.\n"
+            + yaml.safe_dump(settings, sort_keys=False))
     _to_device_in_place(params)  # orbax would otherwise copy every numpy leaf at once
     save_model(dst, cfg, params, canonical=True)
     return write_manifest(dst, {

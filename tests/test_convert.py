@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from mbd_jax.checkpoint import load_model
-from mbd_jax.config import DecodeConfig
+from mbd_jax.config import GENERATION_FILE, DecodeConfig, model_generation_settings
 from mbd_jax.convert import convert
 from mbd_jax.engine import Engine
 from mbd_jax.errors import ConfigError, UserError
@@ -109,12 +109,18 @@ def test_qwen_family_matches_transformers(tmp_path, kind, save):
     kwargs = {"safe_serialization": save != "bin"}
     if save == "sharded":
         kwargs["max_shard_size"] = "40KB"
+        # The source's sampling defaults travel into generation.yaml (top_k: transformers' 50)
+        model.generation_config.update(do_sample=True, temperature=0.7, top_p=0.9)
     model.save_pretrained(src, **kwargs)
     if save == "sharded":
         assert (src / "model.safetensors.index.json").is_file()
     manifest = convert(src, tmp_path / "out", dtype="float32", mask_token_id=MASK_ID,
                        block_size=BLOCK, progress=False)
     assert manifest["family"] == ("sdar" if kind == "qwen3" else "sdar_moe")
+    settings = model_generation_settings(str(tmp_path / "out"))
+    assert settings == ({"decoding": {"temperature": 0.7, "top_k": 50, "top_p": 0.9}}
+                        if save == "sharded" else {})  # greedy sources need no file
+    assert GENERATION_FILE not in manifest["files"]
     loaded = load_model(str(tmp_path / "out"))
     ids = list(np.random.default_rng(0).integers(3, 96, 22))
     diff = np.abs(ours_logits(loaded, ids) - torch_logits(model, ids)).max()

@@ -91,6 +91,9 @@ class Metrics:
         self.decode_step = Histogram("mbd_decode_step_seconds", "Denoising step time: each "
                                      "decode call's seconds per forward", buckets=STEP_BUCKETS,
                                      registry=r)
+        self.model_info = Gauge("mbd_model_info", "1 for the model being served: its name, "
+                                "directory and version (the v<N> directory, '' for none)",
+                                ["name", "path", "version"], registry=r)
         self.queue_limit = Gauge("mbd_queue_limit", "Waiting requests the queue holds before "
                                  "429 (server.queue_size)", registry=r)
         prometheus_client.ProcessCollector(registry=r)  # process_cpu_seconds_total, memory, fds

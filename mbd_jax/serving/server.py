@@ -33,7 +33,8 @@ import uvicorn
 from mbd_jax import chat, compile_cache
 from mbd_jax.cache.prefix_store import PrefixStore, model_identity
 from mbd_jax.checkpoint import load_model
-from mbd_jax.config import MonitoringConfig, ServeConfig, ServerConfig, resolve_model_path
+from mbd_jax.config import (MonitoringConfig, ServeConfig, ServerConfig, model_version,
+                            resolve_model_path)
 from mbd_jax.engine import Engine
 from mbd_jax.errors import UserError
 from mbd_jax.parallel import multihost
@@ -102,9 +103,14 @@ def build_service(cfg: ServeConfig, api_keys: list[str], profile_dir: str = "pro
         engine = multihost.EngineLeader(engine)
     metrics = Metrics(engine)
     metrics.model_load.set(load_seconds)
+    model_dir = resolve_model_path(cfg.model).parent
+    version = model_version(model_dir)
+    metrics.model_info.labels(name=engine.cfg.name, path=str(model_dir), version=version).set(1)
+    log.info("model %s%s from %s: loaded in %.1f s", engine.cfg.name,
+             f" {version}" if version else "", model_dir, load_seconds)
     metrics.queue_limit.set(cfg.server.queue_size)
     scheduler = Scheduler(engine, cfg, metrics)
-    template = chat.for_model(resolve_model_path(cfg.model).parent, engine.cfg.chat_template)
+    template = chat.for_model(model_dir, engine.cfg.chat_template)
     return Service(cfg=cfg, scheduler=scheduler, metrics=metrics, template=template,
                    model_name=cfg.server.served_model_name or engine.cfg.name,
                    api_keys=api_keys, profile_dir=pathlib.Path(profile_dir))
