@@ -320,7 +320,13 @@ class Engine:
         t0 = time.perf_counter()
         state = self.admit(self.empty_state(), dict(enumerate(zip(prompts, decodes))))
         state = self.run_decode(state)
+        self.went_idle()
         return self.results(state, len(prompts), time.perf_counter() - t0, decodes)
+
+    def went_idle(self) -> None:
+        """No decode call follows for now: blocks staged for the prefix store go there now."""
+        if self.offloader is not None:
+            self.offloader.idle()
 
     def decode_call(self, state: DecodeState, max_steps: int | None = None) -> DecodeState:
         """One call of the jitted loop: up to max_steps decode steps (default steps_per_call),

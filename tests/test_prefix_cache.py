@@ -7,6 +7,7 @@ import logging
 import os
 import pathlib
 import threading
+import time
 
 import jax
 import numpy as np
@@ -273,6 +274,25 @@ def test_offload_overlaps_the_decode_loop():
     for c, t in drained[:-1]:  # the last one is drained by flush()
         assert c in decode_t and t > decode_t[c], ("drained before the next decode call", off.events)
     assert len(store._ram) == off.stats.drained_blocks, (len(store._ram), off.stats)
+
+
+def test_blocks_reach_the_store_when_the_engine_goes_idle():
+    """A batch that ends in one decode call leaves its blocks staged with no later call to hand
+    them over: going idle does, so the same prompt sent right after hits (no flush here)."""
+    store = PrefixStore("tiny", 8, ram_bytes=1 << 24)
+    engine = make_engine(store)
+    engine.steps_per_call = 64  # the whole reply in one decode call
+    prompt = np.random.default_rng(7).integers(10, 500, size=35).tolist()  # 4 full blocks
+    d = DecodeConfig(buffer_size=2, max_new_tokens=8)
+    engine.call_log.clear()
+    first = engine.generate([prompt], d)[0].token_ids
+    assert len(engine.call_log) == 1
+    deadline = time.monotonic() + 10
+    while engine.offloader.stats.drained_blocks < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.offloader.stats.drained_blocks >= 4, engine.offloader.stats
+    assert engine.generate([prompt], d)[0].token_ids == first
+    assert store.stats.hits == 4
 
 
 def test_warm_engine_with_a_cache_compiles_nothing_new():

@@ -10,7 +10,8 @@ After every decode call the engine thread calls `after_decode`:
      overlapped with the decode call that ran in between, so the drain thread (np.asarray, then
      the store's RAM and disk tiers) finds it ready.
 
-The engine thread never waits: when the drain thread is still busy with the buffer the engine
+When the engine goes idle (`idle`), the last staged buffer is handed over at once: no later call
+would. The engine thread never waits: when the drain thread is still busy with the buffer the engine
 would fill next, the call stages nothing (`deferred_calls`) and its blocks wait for a later call;
 the store's own disk writes run on its writer thread. `blocking_waits` stays 0 (kept as a
 metric, so a regression shows). Transfers are issued only from the engine thread.
@@ -137,6 +138,14 @@ class KVOffloader:
         self._event("staged", self._calls)
         self.stats.staged_blocks += len(keys)
         self._next = 1 - s
+
+    def idle(self) -> None:
+        """Engine thread, when no decode call follows for now (the batch ended, no row runs):
+        hands the last staged buffer to the drain thread at once instead of at the next call,
+        so a prompt sent again right after an idle reply finds its blocks in the store."""
+        if self._last is not None and not self._last.handed:
+            self._event("idle", self._calls)
+            self._hand_over(self._last)
 
     def _hand_over(self, staged: _Staged) -> None:
         staged.handed = True

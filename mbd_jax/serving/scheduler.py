@@ -157,6 +157,10 @@ class Scheduler:
         failures = 0  # decode failures since the last decode call that succeeded
         while True:
             with self._lock:
+                idle = not self._stop and not self._rows and not any(self._queues.values())
+            if idle:
+                self.engine.went_idle()
+            with self._lock:
                 while not self._stop and not self._rows and not any(self._queues.values()):
                     self._lock.wait(timeout=0.5)
                 if self._stop:
