@@ -29,9 +29,11 @@ run: $(VENV)/.installed
 generate: $(VENV)/.installed
 	$(BIN)/mbd-jax generate --chat --prompt "$(PROMPT)" --max-new-tokens 32 --buffer-size 2
 
-## make test: install with the dev extras (and promtool, where apt can) and run the whole suite
+## make test: install with the dev extras (and promtool, where apt can) and run the whole suite,
+## one worker per core (at most 4: each holds a JAX runtime); TEST_WORKERS=0 runs it in-process
+TEST_WORKERS ?= auto
 test: $(VENV)/.installed-dev promtool
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --maxprocesses 4 --dist worksteal)
 
 # tests/test_deploy.py checks the alert rules with promtool (Debian's prometheus package).
 promtool:

@@ -163,7 +163,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from mbd_jax import compile_stats
 
     t0, hits0 = time.perf_counter(), compile_stats.cache_hits()
-    engine.warmup(progress=_progress)  # compile every shape first: `seconds` is decoding alone
+    # compile what these prompts run first: `seconds` is decoding alone
+    engine.warmup(progress=_progress, buckets=engine.prefill_buckets_for(prompts))
     compile_seconds = time.perf_counter() - t0
     warm = {"compile_seconds": round(compile_seconds, 3),  # programs read from --compile-cache:
             "compile_cache_hits": compile_stats.cache_hits() - hits0}
@@ -215,6 +216,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     report = bench_decode(model.cfg, model.params, batch=args.batch, prompt_len=args.prompt_len,
                           new_tokens=args.new_tokens, buffer_sizes=sizes, decode=decode,
                           repeats=args.repeats, moe_impls=impls, layer_loops=loops, mesh=mesh,
+                          prefill_chunk=args.prefill_chunk,
                           progress=_progress if multihost.is_leader() else None)
     if not multihost.is_leader():
         return 0
@@ -319,6 +321,8 @@ def add_convert_args(c: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mbd_jax.config import ServerConfig
+
     ap = argparse.ArgumentParser(prog="mbd-jax", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
 
@@ -404,6 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt-len", type=int, default=64)
     d.add_argument("--new-tokens", type=int, default=64)
     d.add_argument("--repeats", type=int, default=3)
+    d.add_argument("--prefill-chunk", type=int, default=ServerConfig.prefill_chunk,
+                   help="longest prefill program; warm-up compiles every bucket up to it "
+                        "(default: the service's, %(default)s)")
     d.add_argument("--moe-impl", help="expert paths to compare, e.g. dense,tiled,auto (default: "
                                       "the model's)")
     d.add_argument("--layer-loop", help="layer loops to compare, e.g. unrolled,scan (default: the "

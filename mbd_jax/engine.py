@@ -42,8 +42,8 @@ from mbd_jax.tokenizer import Tokenizer
 class GenerationResult:
     token_ids: list[int]  # generated tokens, without the terminating EOS
     finish_reason: str  # stop | length | max_nfe
-    nfe: int  # decode forwards
-    tokens_unmasked: int
+    nfe: int  # decode forwards (decoding/block_buffer.py says what counts as one)
+    tokens_unmasked: int  # unmasked by decode steps, including any past the EOS (not output)
     bubble_forwards: int  # forwards that unmasked no token (the storing bubble)
     edits: int  # filled tokens rewritten (edit mode)
     blocks: int  # blocks decoded (started)
@@ -55,15 +55,23 @@ class GenerationResult:
     final_answer: str | None = None  # voting: the answer parsed from the final text
     vote_scores: dict[str, float] | None = None
     logprobs: list[float] | None = None  # per token: its log-probability when it was written
+    eos: bool = False  # the output ended with an EOS token (not in token_ids)
+
+    @property
+    def output_tokens(self) -> int:
+        """Tokens the model output: token_ids and the terminating EOS, if any."""
+        return len(self.token_ids) + self.eos
 
     @property
     def tpf(self) -> float:
-        """Tokens per forward: tokens unmasked by decode steps / decode forwards."""
-        return self.tokens_unmasked / max(self.nfe, 1)
+        """Tokens per forward as the MBD-LMs paper counts it: output tokens (up to and including
+        EOS) / decode forwards."""
+        return self.output_tokens / max(self.nfe, 1)
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["tokens"] = len(self.token_ids)
+        d["output_tokens"] = self.output_tokens
         d["tpf"] = round(self.tpf, 4)
         return d
 
@@ -389,12 +397,13 @@ class Engine:
         """The result of finished row i, from host arrays (jax.device_get of the state)."""
         p0, stop = int(host.prompt_len[i]), int(host.stop_pos[i])
         ids = self.output_ids(host, i)
+        eos = len(ids) < stop - p0  # output_ids dropped the terminating EOS
         blocks = math.ceil(max(stop, p0 + 1) / self.cfg.block_size) - p0 // self.cfg.block_size
         r = GenerationResult(
             token_ids=ids, finish_reason=FINISH_NAMES.get(int(host.finish[i]), "unknown"),
             nfe=int(host.nfe[i]), tokens_unmasked=int(host.n_unmasked[i]),
             bubble_forwards=int(host.bubbles[i]), edits=int(host.n_edits[i]), blocks=blocks,
-            max_active_blocks=int(host.max_active[i]), prompt_tokens=p0, seconds=seconds)
+            max_active_blocks=int(host.max_active[i]), prompt_tokens=p0, seconds=seconds, eos=eos)
         if host.logprob is not None:
             r.logprobs = host.logprob[i, p0: p0 + len(ids)].tolist()
         if self.tokenizer is not None:
@@ -519,15 +528,30 @@ class Engine:
         done[list(rows)] = True
         return state.replace(done=self._put(done))
 
-    def warmup(self, progress: Callable[[str], None] | None = None) -> None:
-        """Compiles every program this engine can run (all prefill buckets, the row merge and
-        the decode loop); `progress` hears about each step (compiling takes a while)."""
+    def prefill_buckets_for(self, prompts: Sequence[Sequence[int]]) -> list[int]:
+        """The prefill lengths `generate(prompts)` compiles (batch_size rows at a time, no prefix
+        store hits): what a one-shot command needs warm, where the service needs every bucket."""
+        blk, used = self.cfg.block_size, set()
+        for s in range(0, len(prompts), self.batch_size):
+            full = np.array([len(p) // blk * blk for p in prompts[s: s + self.batch_size]])
+            start = np.zeros_like(full)
+            while (full > start).any():  # as prefill_step advances the rows
+                t = self._bucket(int(np.max(full - start)))
+                used.add(t)
+                start = np.where(full > start, np.minimum(start + t, full), start)
+        return sorted(used)
+
+    def warmup(self, progress: Callable[[str], None] | None = None,
+               buckets: Sequence[int] | None = None) -> None:
+        """Compiles every program this engine can run (all prefill buckets, or only `buckets`,
+        the row merge and the decode loop); `progress` hears about each step (compiling takes a
+        while)."""
         say = progress or (lambda message: None)
         t_start = time.perf_counter()
         blk = self.cfg.block_size
         b = self.batch_size
         zeros = self._put(np.zeros(b, np.int32))
-        buckets = prefill_buckets(blk, self.prefill_chunk)
+        buckets = prefill_buckets(blk, self.prefill_chunk) if buckets is None else list(buckets)
         for i, t in enumerate(buckets):
             say(f"compiling prefill of {t} tokens ({i + 1}/{len(buckets)})")
             self.kv = self._prefill(self.params, self.kv, self._put(np.zeros((b, t), np.int32)),

@@ -4,7 +4,7 @@
 
 Every prompt of the split is decoded with the same DecodeConfig, `batch_size` rows at a time, on
 an engine compiled for `decode.buffer_size` and warmed up first (so tokens/s excludes compiling).
-TPF is generated tokens over decode forwards, summed over the split.
+TPF is output tokens (each answer and its EOS) over decode forwards, summed over the split.
 """
 
 from __future__ import annotations
@@ -60,12 +60,12 @@ def evaluate(model: LoadedModel, task: str, decode: DecodeConfig, *, limit: int 
     if model.tokenizer is None:
         raise UserError(f"--model {model.path}: eval needs a model with a tokenizer")
     examples = [ex for name in names for ex in tasks.heldout(name, limit, seed)]
+    prompts = [model.tokenizer.encode(ex.prompt) for ex in examples]
     if engine is None:
         engine = Engine(model.cfg, model.params, batch_size=batch_size,
                         buffer_size=decode.buffer_size, tokenizer=model.tokenizer, mesh=mesh)
-        engine.warmup()
+        engine.warmup(buckets=engine.prefill_buckets_for(prompts))
     engine.check_decode(decode, where="decoding")
-    prompts = [model.tokenizer.encode(ex.prompt) for ex in examples]
     correct = tokens = nfe = 0
     seconds = 0.0
     wrong: list[dict[str, str]] = []
@@ -77,7 +77,7 @@ def evaluate(model: LoadedModel, task: str, decode: DecodeConfig, *, limit: int 
         for ex, r in zip(examples[s: s + engine.batch_size], results):
             ok = ex.is_correct(r.text)
             correct += ok
-            tokens += len(r.token_ids)
+            tokens += r.output_tokens  # TPF's numerator: the answer and its EOS
             nfe += r.nfe
             if not ok and len(wrong) < 5:
                 wrong.append({"prompt": ex.prompt, "expected": ex.answer, "got": r.text})

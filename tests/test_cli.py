@@ -110,7 +110,7 @@ def test_bench_random_weights_runs_a_shape_only_preset(tmp_path):
         "tokenizer: ../tokenizers/tiny.model", ""))
     assert "init: none" in shape.read_text()
     flags = ["bench", "decode", "--model", str(shape), "--batch", "1", "--prompt-len", "8",
-             "--new-tokens", "4", "--repeats", "1", "--json"]
+             "--new-tokens", "4", "--repeats", "1", "--prefill-chunk", "8", "--json"]
     refused = run(*flags)
     assert refused.returncode == 2 and "describes a shape only" in refused.stderr
     r = run(*flags, "--random-weights")

@@ -50,10 +50,22 @@ def test_warm_engine_compiles_nothing_new(engine4):
     assert compile_stats.compiles() - before == 0
 
 
-def test_compile_counter_sees_compiles(cfg, params):
+def test_a_one_shot_warmup_compiles_exactly_what_its_prompts_run(cfg, params):
+    """`generate` and `eval` warm up only the prefill buckets their prompts use (block 8,
+    prefill_chunk 16: buckets 8 and 16); the compile counter sees every program."""
+    engine = Engine(cfg, params, batch_size=3, buffer_size=1, prefill_chunk=16)
+    prompts = [list(range(10, 19)), [11] * 5]  # 8 and 0 full-block tokens: one 8-token chunk
+    assert engine.prefill_buckets_for(prompts) == [8]
+    assert engine.prefill_buckets_for([[11] * 40, [12] * 9]) == [8, 16]  # 16, 16, then 8
+    assert engine.prefill_buckets_for([[11] * 7]) == []
     before = compile_stats.compiles()
-    Engine(cfg, params, batch_size=3, buffer_size=1, prefill_chunk=16).warmup()
-    assert compile_stats.compiles() - before >= 2  # one prefill bucket per size + the decode loop
+    engine.warmup(buckets=engine.prefill_buckets_for(prompts))
+    warm = compile_stats.compiles()
+    assert warm - before >= 3  # the 8-token prefill, the row merge, the decode loop
+    engine.generate(prompts, DecodeConfig(max_new_tokens=6))
+    assert compile_stats.compiles() == warm
+    engine.generate([[11] * 40], DecodeConfig(max_new_tokens=6))  # the 16-token prefill: new
+    assert compile_stats.compiles() > warm
 
 
 def test_fixed_steps_forward_counts_singlebd_vs_multibd(engine4):

@@ -111,7 +111,8 @@ ENGINE = textwrap.dedent("""
     decode = DecodeConfig(buffer_size=2, max_new_tokens=24)
     def run(mesh, loop="unrolled"):
         model = load_model("tiny-mbd", mesh=mesh, runtime={"layer_loop": loop})
-        engine = Engine(model.cfg, model.params, batch_size=4, buffer_size=2, mesh=mesh)
+        engine = Engine(model.cfg, model.params, batch_size=4, buffer_size=2, prefill_chunk=16,
+                        mesh=mesh)  # prefill buckets 4, 8, 16: the prompts need no more
         engine.warmup()
         first = [r.token_ids for r in engine.generate(prompts, decode)]
         c0 = compile_stats.compiles()
@@ -211,7 +212,8 @@ def test_mesh_bench_tool_runs_and_never_recompiles():
     each, and no compilation after warm-up."""
     r = subprocess.run([sys.executable, "tools/bench_mesh.py", "--force-cpu-devices", "2",
                         "--model", "tiny-mbd", "--meshes", "one;expert=2", "--batch", "2",
-                        "--prompt-len", "8", "--new-tokens", "8", "--repeats", "1"],
+                        "--prompt-len", "8", "--new-tokens", "8", "--repeats", "1",
+                        "--prefill-chunk", "8"],
                        capture_output=True, text=True, cwd=ROOT, timeout=300,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert r.returncode == 0, r.stderr[-2000:]

@@ -19,6 +19,7 @@ from mbd_jax.cli import DEFAULT_MODEL
 from mbd_jax.config import ServeConfig, decode_config
 from mbd_jax.engine import Engine
 from mbd_jax.evaluate import evaluate
+from mbd_jax.train import tasks
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LIMIT = 25  # held-out prompts per task (100 in all)
@@ -50,6 +51,12 @@ def test_tiny_mbd_accuracy_floor_and_multibd_gain(tiny_mbd):
         decode = decode_config(buffer_size=n_buf, accept_threshold=0.95, add_block_threshold=0.1,
                                semi_complete_threshold=0.25, max_new_tokens=32)
         reports[n_buf] = evaluate(tiny_mbd, "all", decode, limit=LIMIT, engine=engine)
+        # TPF counts the output up to and including EOS (the paper's), not tokens unmasked
+        # past it: a sort answer ends with EOS inside its last block
+        prompt = tiny_mbd.tokenizer.encode(tasks.heldout("sort", 1, 0)[0].prompt)
+        (r,) = engine.generate([prompt], decode)
+        assert r.eos and r.finish_reason == "stop" and r.output_tokens == len(r.token_ids) + 1
+        assert r.tpf == r.output_tokens / r.nfe and r.tokens_unmasked >= r.output_tokens
     single, multi = reports[1], reports[2]
     assert single.n == 4 * LIMIT
     assert single.accuracy >= ACCURACY_FLOOR, single.wrong
@@ -66,5 +73,5 @@ def test_eval_command(tmp_path):
     out = json.loads(r.stdout.splitlines()[-1])
     assert out["model"] == "tiny-mbd" and out["task"] == "sort" and out["n"] == 8
     assert out["buffer_size"] == 2 and 0.0 <= out["accuracy"] <= 1.0
-    assert out["tpf"] == pytest.approx(out["tokens"] / out["nfe"])
+    assert out["tpf"] == pytest.approx(out["tokens"] / out["nfe"])  # eval's tokens: with EOS
     assert out["tokens_per_s"] > 0

@@ -36,6 +36,9 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--buffer-size", type=int, default=2)
+    ap.add_argument("--prefill-chunk", type=int, default=256,
+                    help="longest prefill program (warm-up compiles every bucket up to it; "
+                         "256: the service's default)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--force-cpu-devices", type=int, help="split the CPU into N XLA devices")
     args = ap.parse_args()
@@ -60,7 +63,8 @@ def main() -> int:
         print(f"[bench_mesh] mesh {spec}: compiling and timing", file=sys.stderr, flush=True)
         report = bench_decode(model.cfg, model.params, batch=args.batch, prompt_len=args.prompt_len,
                               new_tokens=args.new_tokens, buffer_sizes=[args.buffer_size],
-                              decode=DecodeConfig(), repeats=args.repeats, mesh=mesh)
+                              decode=DecodeConfig(), repeats=args.repeats, mesh=mesh,
+                              prefill_chunk=args.prefill_chunk)
         r = report["rows"][0]
         row = {"mesh": spec, "devices": report["devices"], "step_ms": r["step_ms"],
                "tokens_per_s": r["tokens_per_s"], "tpf": r["tpf"],

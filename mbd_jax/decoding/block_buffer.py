@@ -66,7 +66,10 @@ class DecodeState:
     done: jax.Array  # [B] bool
     finish: jax.Array  # [B] FINISH_*
     stop_pos: jax.Array  # [B] end of the output (exclusive) once done
-    nfe: jax.Array  # [B] decode forwards while live
+    # [B] decode forwards while live. A row is done as soon as its text is complete, so the
+    # storing forward of its last block is never run (SDAR-style loops run and count it); TPF
+    # (GenerationResult.tpf) = output tokens incl. EOS / nfe.
+    nfe: jax.Array
     n_unmasked: jax.Array  # [B] tokens unmasked by decode steps
     n_edits: jax.Array  # [B] filled tokens rewritten (edit mode)
     bubbles: jax.Array  # [B] forwards that unmasked nothing

@@ -48,7 +48,7 @@ class Choices:
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}, "nfe": nfe,
-                "tokens_per_forward": round(sum(r.tokens_unmasked for r in results) / max(nfe, 1), 4)}
+                "tokens_per_forward": round(sum(r.output_tokens for r in results) / max(nfe, 1), 4)}
 
     # ------------------------------------------------------------ the whole answer
     def body(self, results: list) -> dict:
