@@ -85,7 +85,8 @@ def test_two_process_service_answers_like_offline(tmp_path):
             env=dict(os.environ, **TWO_DEVICES))
         sections = {"model": "tiny-mbd", "cache": {"enabled": False}}
         srv = Server(tmp_path, [KEY], sections=sections,
-                     args=("--mesh", "expert=2,tensor=2", *launch_flags(port, 0)), env=TWO_DEVICES)
+                     args=("--mesh", "expert=2,tensor=2", *launch_flags(port, 0)), env=TWO_DEVICES,
+                     prefill_chunk=16)  # 3 prefill buckets to compile: the prompts need one
         try:
             m = load_model("tiny-mbd")
             engine = Engine(m.cfg, m.params, batch_size=8, buffer_size=2, prefill_chunk=64,

@@ -241,7 +241,8 @@ def test_metrics_parse_and_move(server):
     assert after["process_cpu_seconds_total"] > 0 and after["mbd_cpu_cores"] >= 1
     assert "mbd_empty_responses_total" in after
     info = [k for k in after if k.startswith("mbd_model_info")]  # which model (version) serves
-    assert len(info) == 1 and after[info[0]] == 1 and '"name": "tiny-mbd"' in info[0], info
+    assert len(info) == 1 and after[info[0]] == 1, info
+    assert '"name": "tiny-random"' in info[0] and 'tiny-random.yaml", "version": ""' in info[0], info
     assert not [k for k in after if k.startswith("mbd_device_memory_bytes")]
     text = httpx.get(server.admin + "/metrics", timeout=10).text
     assert re.search(r"# TYPE mbd_compilations(_total)? counter", text)

@@ -92,7 +92,8 @@ class Metrics:
                                      "decode call's seconds per forward", buckets=STEP_BUCKETS,
                                      registry=r)
         self.model_info = Gauge("mbd_model_info", "1 for the model being served: its name, "
-                                "directory and version (the v<N> directory, '' for none)",
+                                "directory (or preset file) and version (the v<N> directory, "
+                                "'' for none)",
                                 ["name", "path", "version"], registry=r)
         self.queue_limit = Gauge("mbd_queue_limit", "Waiting requests the queue holds before "
                                  "429 (server.queue_size)", registry=r)

@@ -103,11 +103,13 @@ def build_service(cfg: ServeConfig, api_keys: list[str], profile_dir: str = "pro
         engine = multihost.EngineLeader(engine)
     metrics = Metrics(engine)
     metrics.model_load.set(load_seconds)
-    model_dir = resolve_model_path(cfg.model).parent
-    version = model_version(model_dir)
-    metrics.model_info.labels(name=engine.cfg.name, path=str(model_dir), version=version).set(1)
+    config_path = resolve_model_path(cfg.model)
+    model_dir = config_path.parent
+    where = model_dir if config_path.name == "config.yaml" else config_path  # a dir, or a preset
+    version = model_version(model_dir) if where == model_dir else ""
+    metrics.model_info.labels(name=engine.cfg.name, path=str(where), version=version).set(1)
     log.info("model %s%s from %s: loaded in %.1f s", engine.cfg.name,
-             f" {version}" if version else "", model_dir, load_seconds)
+             f" {version}" if version else "", where, load_seconds)
     metrics.queue_limit.set(cfg.server.queue_size)
     scheduler = Scheduler(engine, cfg, metrics)
     template = chat.for_model(model_dir, engine.cfg.chat_template)
