@@ -326,7 +326,7 @@ class Engine:
     def _generate_batch(self, prompts: list[np.ndarray], decodes: list[DecodeConfig]) -> list[GenerationResult]:
         """Rows 0..n-1 get the prompts (the rest stay free): the service's admission path."""
         t0 = time.perf_counter()
-        state = self.admit(self.empty_state(), dict(enumerate(zip(prompts, decodes))))
+        state = self.admit(None, dict(enumerate(zip(prompts, decodes))))
         state = self.run_decode(state)
         self.went_idle()
         return self.results(state, len(prompts), time.perf_counter() - t0, decodes)
@@ -477,7 +477,7 @@ class Engine:
                 start[row] = self._load_prefix(row, prompts[row], (prefetched or {}).get(row))
         self.prefix_hit_tokens += int(start.sum())
         return Admission(rows=rows, prompts=prompts, full_len=self._full_len(prompts, rows),
-                         fresh=self.initial_state(prompts, decodes), start=start)
+                         fresh=self.initial_state(prompts, decodes, done=~rows), start=start)
 
     def _load_prefix(self, row: int, prompt: np.ndarray, hit: PrefixHit | None) -> int:
         """Copies the prompt's stored leading blocks into `row`; returns how many tokens."""
@@ -500,13 +500,15 @@ class Engine:
         """Merges the admitted rows' fresh state into the running state (one compiled program)."""
         return self._merge(state, adm.fresh, self._put(adm.rows))
 
-    def admit(self, state: DecodeState, requests: dict[int, tuple[Sequence[int], DecodeConfig]]
-              ) -> DecodeState:
-        """Starts requests in free rows at once (begin_admit, every prefill step, finish_admit)."""
+    def admit(self, state: DecodeState | None,
+              requests: dict[int, tuple[Sequence[int], DecodeConfig]]) -> DecodeState:
+        """Starts requests in free rows at once (begin_admit, every prefill step, finish_admit).
+        `state` None: no row is running, so the admission's own state (its other rows free) is
+        the new state, with no empty state to build and merge into."""
         adm = self.begin_admit(requests)
         while not self.prefill_step(adm):
             pass
-        return self.finish_admit(state, adm)
+        return adm.fresh if state is None else self.finish_admit(state, adm)
 
     def buffers_intact(self, state: DecodeState) -> bool:
         """Whether the KV buffer and `state` still hold their device memory (a call that failed
