@@ -42,6 +42,11 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--plot", help="write the accuracy-vs-TPF plot here (PNG)")
     args = ap.parse_args()
+    if args.plot:  # say so before the run, not after it
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            ap.error("--plot needs matplotlib: pip install -e '.[bench]'")
     thresholds = sorted({float(t) for t in args.thresholds.split(",")} | {args.main_threshold})
 
     models = {name: load_model(name) for name in {m for _, m, _ in ROWS}}
