@@ -176,3 +176,28 @@ def test_train_command_writes_a_loadable_model_under_runs_and_spares_shipped_mod
     r = subprocess.run([sys.executable, "-m", "mbd_jax", "train", "--config", str(cfg_path)],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert r.returncode == 2 and "learning_rat" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_weight_decay_reaches_the_same_parameters_scanned_or_unrolled():
+    """AdamW decays matrices only: norms and the router's expert_bias stay out under the scan too,
+    where every layer leaf has a leading layer axis (a [L, D] norm is not a matrix)."""
+    import jax
+
+    from mbd_jax.model import layout
+    from mbd_jax.train.trainer import decay_mask
+    from tests.conftest import tiny_cfg
+
+    def decayed(cfg) -> dict[str, bool]:  # per-layer leaf name (layer index dropped) -> decayed
+        params = jax.eval_shape(lambda: init_params(cfg))
+        flat = jax.tree_util.tree_flatten_with_path(decay_mask(params))[0]
+        names = {}
+        for path, flag in flat:
+            keys = [str(getattr(k, "key", k)) for k in path]
+            name = "/".join(k for k in keys if not k.startswith("layer"))
+            assert names.setdefault(name, flag) == flag, name  # the same for every layer
+        return names
+
+    unrolled, scanned = decayed(tiny_cfg(layer_loop="unrolled")), decayed(tiny_cfg(layer_loop="scan"))
+    assert layout.scanned(tiny_cfg(layer_loop="scan")) and unrolled == scanned
+    assert not scanned["moe/expert_bias"] and not scanned["attn/q_norm"]
+    assert scanned["moe/experts_up"] and scanned["attn/q_proj"] and scanned["embed"]

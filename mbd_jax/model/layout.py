@@ -51,6 +51,12 @@ def run_name(start: int, stop: int) -> str:
     return f"layers_{start}_{stop}"
 
 
+def is_stacked(path: tuple) -> bool:
+    """Whether the parameter at this key path (jax.tree_util's) lives in a scanned run, i.e. has
+    a leading layer axis."""
+    return any(str(getattr(k, "key", k)).startswith("layers_") for k in path)
+
+
 def to_runtime(params: dict, cfg: ModelConfig) -> dict:
     """Canonical params -> the layout `cfg`'s forward reads (a new tree; traceable)."""
     if not scanned(cfg):

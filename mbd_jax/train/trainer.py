@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mbd_jax.checkpoint import save_model, write_manifest
 from mbd_jax.config import SHIPPED_MODEL_DIR, ModelConfig
 from mbd_jax.errors import UserError
+from mbd_jax.model import layout
 from mbd_jax.model.transformer import Transformer
 from mbd_jax.parallel.mesh import make_mesh, param_shardings
 from mbd_jax.tokenizer import Tokenizer
@@ -58,11 +59,18 @@ def batch_for_step(tcfg: TrainConfig, cfg: ModelConfig, tokenizer: Tokenizer, st
                                 g_max=tcfg.g_max, n_random=tcfg.n_random_layouts, rng=rng)
 
 
+def decay_mask(params: Any) -> Any:
+    """Weight decay on matrices only, judged per layer: never on norms or the router's
+    expert_bias, whether the layers are unrolled or scanned (a scanned run's leaves carry a
+    leading layer axis, which must not make a norm look like a matrix)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, p: p.ndim - layout.is_stacked(path) > 1, params)
+
+
 def make_optimizer(tcfg: TrainConfig) -> optax.GradientTransformation:
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, tcfg.learning_rate, tcfg.warmup_steps, max(tcfg.steps, tcfg.warmup_steps + 1),
         end_value=tcfg.learning_rate * tcfg.end_lr_fraction)
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)  # noqa: E731  no norms
     return optax.chain(optax.clip_by_global_norm(tcfg.clip_norm),
                        optax.adamw(schedule, b2=tcfg.b2, weight_decay=tcfg.weight_decay,
                                    mask=decay_mask))
