@@ -126,9 +126,9 @@ class Engine:
         With a prefix store, admitted prompts reuse stored leading blocks and committed blocks
         are persisted after every decode call (double-buffered, cache/offload.py). `mesh`: the
         devices to run on (default: the first device)."""
-        if prefill_chunk % cfg.block_size:
-            raise UserError(f"prefill_chunk ({prefill_chunk}) must be a multiple of block_size "
-                            f"({cfg.block_size})")
+        if prefill_chunk < cfg.block_size or prefill_chunk % cfg.block_size:
+            raise UserError(f"prefill_chunk ({prefill_chunk}) must be a positive multiple of "
+                            f"block_size ({cfg.block_size})")
         if batch_size < 1 or buffer_size < 1:
             raise UserError("batch_size and buffer_size must be >= 1")
         compile_stats.install()  # count this engine's compilations from the first one
@@ -290,12 +290,18 @@ class Engine:
         return next(t for t in prefill_buckets(self.cfg.block_size, self.prefill_chunk)
                     if t >= min(tokens, self.prefill_chunk))
 
-    def _prefill_chunk(self, prompts: list[np.ndarray], full_len: np.ndarray, rows: np.ndarray,
-                       start: np.ndarray) -> int:
-        """Writes the KV of prompt positions [start, start + T) of each selected row (T the
-        smallest bucket covering the most any row has left, at most prefill_chunk). Returns T."""
+    def _next_chunk(self, full_len: np.ndarray, start: np.ndarray, rows: np.ndarray
+                    ) -> tuple[np.ndarray, int, np.ndarray]:
+        """The next prefill chunk of an admission: the rows with prompt blocks left, its length T
+        (the smallest bucket covering the most any row has left, at most prefill_chunk), and
+        each row's start after it."""
         todo = rows & (full_len > start)
         t = self._bucket(int(np.max(np.where(todo, full_len - start, 0))))
+        return todo, t, np.where(todo, np.minimum(start + t, full_len), start)
+
+    def _prefill_chunk(self, prompts: list[np.ndarray], full_len: np.ndarray, todo: np.ndarray,
+                       start: np.ndarray, t: int) -> None:
+        """Writes the KV of prompt positions [start, start + t) of each `todo` row."""
         tokens = np.full((self.batch_size, t), self.cfg.pad_token_id, np.int32)
         for i, p in enumerate(prompts):
             seg = p[start[i]: min(start[i] + t, full_len[i])]
@@ -303,7 +309,6 @@ class Engine:
         self.kv = self._prefill(self.params, self.kv, self._put(tokens),
                                 self._put(start.astype(np.int32)), self._put(full_len),
                                 self._put(todo), scratch_offset=self.scratch_offset)
-        return t
 
     # ---------------------------------------------------------------- public API
     def generate(self, prompts: Sequence[Sequence[int]],
@@ -490,10 +495,10 @@ class Engine:
 
     def prefill_step(self, adm: Admission) -> bool:
         """One prefill chunk of an admission; True once all its prompt blocks are written."""
-        todo = adm.rows & (adm.full_len > adm.start)
+        todo, t, after = self._next_chunk(adm.full_len, adm.start, adm.rows)
         if todo.any():
-            t = self._prefill_chunk(adm.prompts, adm.full_len, adm.rows, adm.start)
-            adm.start = np.where(todo, np.minimum(adm.start + t, adm.full_len), adm.start)
+            self._prefill_chunk(adm.prompts, adm.full_len, todo, adm.start, t)
+            adm.start = after
         return not (adm.rows & (adm.full_len > adm.start)).any()
 
     def finish_admit(self, state: DecodeState, adm: Admission) -> DecodeState:
@@ -533,14 +538,14 @@ class Engine:
     def prefill_buckets_for(self, prompts: Sequence[Sequence[int]]) -> list[int]:
         """The prefill lengths `generate(prompts)` compiles (batch_size rows at a time, no prefix
         store hits): what a one-shot command needs warm, where the service needs every bucket."""
-        blk, used = self.cfg.block_size, set()
+        used = set()
         for s in range(0, len(prompts), self.batch_size):
-            full = np.array([len(p) // blk * blk for p in prompts[s: s + self.batch_size]])
-            start = np.zeros_like(full)
-            while (full > start).any():  # as prefill_step advances the rows
-                t = self._bucket(int(np.max(full - start)))
+            batch = [np.asarray(p) for p in prompts[s: s + self.batch_size]]
+            rows = np.ones(len(batch), bool)
+            full, start = self._full_len(batch, rows), np.zeros(len(batch), np.int32)
+            while (full > start).any():  # the chunks prefill_step runs
+                _, t, start = self._next_chunk(full, start, rows)
                 used.add(t)
-                start = np.where(full > start, np.minimum(start + t, full), start)
         return sorted(used)
 
     def warmup(self, progress: Callable[[str], None] | None = None,

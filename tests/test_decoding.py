@@ -58,6 +58,8 @@ def test_a_one_shot_warmup_compiles_exactly_what_its_prompts_run(cfg, params):
     assert engine.prefill_buckets_for(prompts) == [8]
     assert engine.prefill_buckets_for([[11] * 40, [12] * 9]) == [8, 16]  # 16, 16, then 8
     assert engine.prefill_buckets_for([[11] * 7]) == []
+    with pytest.raises(UserError, match="positive multiple of block_size"):
+        Engine(cfg, params, batch_size=1, prefill_chunk=0)  # bench --prefill-chunk 0
     before = compile_stats.compiles()
     engine.warmup(buckets=engine.prefill_buckets_for(prompts))
     warm = compile_stats.compiles()
