@@ -25,14 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from mbd_jax import compile_stats
-from mbd_jax import kv as kvlib
 from mbd_jax.cache.offload import KVOffloader
 from mbd_jax.cache.prefix_store import PrefixStore
 from mbd_jax.config import DecodeConfig, ModelConfig, VotingConfig
 from mbd_jax.decoding import block_buffer, loop, policy, voting
 from mbd_jax.decoding.block_buffer import FINISH_NAMES, DecodeState, RowParams
 from mbd_jax.errors import UserError
-from mbd_jax.model.transformer import Transformer
+from mbd_jax.model.transformer import Transformer, cache_type
 from mbd_jax.parallel import mesh as meshlib
 from mbd_jax.parallel import multihost
 from mbd_jax.tokenizer import Tokenizer
@@ -148,23 +147,20 @@ class Engine:
         # (seconds, decode steps) of the latest decode calls, for benches and metrics
         self.call_log: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)
         window = buffer_size * cfg.block_size
-        # Past every real position (max_seq_len + one window) lies a scratch region: rows that are
-        # not being prefilled write their share of a prefill call there, and free or finished rows
-        # their share of a decode step.
-        scratch = max(self.prefill_chunk, window)
-        self.capacity = kvlib.kv_capacity(cfg, window + scratch)
-        self.scratch_offset = self.capacity - scratch
-        kv_sharding = meshlib.kv_shardings(cfg, self.mesh, batch_size, self.capacity)
-        self._allocate_kv = jax.jit(lambda: kvlib.allocate(cfg, batch_size, self.capacity),
+        # The model's cache (its layout is the model's business: model/kv_cache.py). A forward
+        # writes at most one decode window or one prefill chunk, starting before max_seq_len.
+        self.cache = cache_type(cfg)
+        self.capacity = self.cache.capacity_for(cfg, max(self.prefill_chunk, window))
+        kv_sharding = meshlib.cache_shardings(cfg, self.mesh, batch_size, self.capacity)
+        self._allocate_kv = jax.jit(lambda: self.cache.allocate(cfg, batch_size, self.capacity),
                                     out_shardings=kv_sharding)
         self.kv = self._allocate_kv()
         apply_fn = Transformer(cfg, self.mesh).apply
         self._prefill = jax.jit(functools.partial(loop.prefill, apply_fn=apply_fn),
-                                static_argnames=("scratch_offset",), donate_argnames=("kv",),
-                                out_shardings=kv_sharding)
+                                donate_argnames=("kv",), out_shardings=kv_sharding)
         self._decode = jax.jit(
             functools.partial(loop.decode_loop, apply_fn=apply_fn, cfg=cfg, n_slots=buffer_size,
-                              scratch_offset=self.scratch_offset, debug=debug),
+                              debug=debug),
             donate_argnames=("state", "kv"), out_shardings=(replicated, kv_sharding, replicated))
         self._merge = jax.jit(_merge_rows, donate_argnames=("old",), out_shardings=replicated)
         self._host: tuple[DecodeState, DecodeState] | None = None  # (device, host): host_view
@@ -179,14 +175,13 @@ class Engine:
             if jax.process_count() > 1:
                 raise UserError("the prefix cache runs on one process; disable cache.enabled for "
                                 "a multi-process launch")
-            prefix_store.expect((cfg.num_layers, 2, cfg.block_size, cfg.num_kv_heads,
-                                 cfg.head_dim), self.kv.dtype)
-            self._load = jax.jit(kvlib.load_blocks, donate_argnames=("kv",),
-                                 out_shardings=kv_sharding)
-            gather = jax.jit(lambda staging, kv, rows, starts: kvlib.gather_blocks(
-                kv, rows, starts, cfg.block_size), donate_argnums=0, out_shardings=replicated)
-            staging = (offload_blocks_per_call, cfg.num_layers, 2, cfg.block_size,
-                       cfg.num_kv_heads, cfg.head_dim)
+            block = self.cache.entry_shape(cfg, cfg.block_size)  # one block's entries
+            prefix_store.expect(block, self.kv.dtype)
+            self._load = jax.jit(lambda kv, entries, row, start: kv.load(entries, row, start),
+                                 donate_argnums=0, out_shardings=kv_sharding)
+            gather = jax.jit(lambda staging, kv, rows, starts: kv.gather(
+                rows, starts, cfg.block_size), donate_argnums=0, out_shardings=replicated)
+            staging = (offload_blocks_per_call, *block)
             empty = jax.jit(lambda: jnp.zeros(staging, self.kv.dtype),
                             out_shardings=replicated)
             self.offloader = KVOffloader(prefix_store, gather, empty, batch_size,
@@ -308,7 +303,7 @@ class Engine:
             tokens[i, : len(seg)] = seg
         self.kv = self._prefill(self.params, self.kv, self._put(tokens),
                                 self._put(start.astype(np.int32)), self._put(full_len),
-                                self._put(todo), scratch_offset=self.scratch_offset)
+                                self._put(todo))
 
     # ---------------------------------------------------------------- public API
     def generate(self, prompts: Sequence[Sequence[int]],
@@ -457,10 +452,9 @@ class Engine:
         per_chunk = self.prefill_chunk // blk
         chunks = []
         for first in range(0, len(entries), per_chunk):
-            part = np.concatenate(entries[first: first + per_chunk], axis=2)  # [L, 2, T, K, Dh]
-            t = self._bucket(part.shape[2])
-            pad = np.zeros(part.shape[:2] + (t - part.shape[2],) + part.shape[3:], part.dtype)
-            chunks.append((first * blk, self._put(np.concatenate([part, pad], axis=2))))
+            part = entries[first: first + per_chunk]
+            span = self.cache.join(part, self._bucket(len(part) * blk))  # padded to a bucket
+            chunks.append((first * blk, self._put(span)))
         return PrefixHit(tokens=len(entries) * blk, chunks=chunks)
 
     def begin_admit(self, requests: dict[int, tuple[Sequence[int], DecodeConfig]],
@@ -562,22 +556,17 @@ class Engine:
         for i, t in enumerate(buckets):
             say(f"compiling prefill of {t} tokens ({i + 1}/{len(buckets)})")
             self.kv = self._prefill(self.params, self.kv, self._put(np.zeros((b, t), np.int32)),
-                                    zeros, zeros, self._put(np.zeros(b, bool)),
-                                    scratch_offset=self.scratch_offset)
-            if self.offloader is not None:  # loading t cached tokens into a row (scratch here)
-                cfg = self.cfg
-                blocks = np.zeros((cfg.num_layers, 2, t, cfg.num_kv_heads, cfg.head_dim),
-                                  self.kv.dtype)
-                self.kv = self._load(self.kv, self._put(blocks), np.int32(0),
-                                     np.int32(self.scratch_offset))
+                                    zeros, zeros, self._put(np.zeros(b, bool)))
+            if self.offloader is not None:  # loading t cached tokens into a row (row 0: free)
+                entries = np.zeros(self.cache.entry_shape(self.cfg, t), self.kv.dtype)
+                self.kv = self._load(self.kv, self._put(entries), np.int32(0), np.int32(0))
         if self.offloader is not None:
             self.offloader.warmup(self.kv)
             # what a prefill token costs, for the "time saved" metric: the largest bucket, all rows
             t0 = time.perf_counter()
             self.kv = self._prefill(self.params, self.kv,
                                     self._put(np.zeros((b, self.prefill_chunk), np.int32)),
-                                    zeros, zeros, self._put(np.ones(b, bool)),
-                                    scratch_offset=self.scratch_offset)
+                                    zeros, zeros, self._put(np.ones(b, bool)))
             jax.block_until_ready(self.kv)
             self.prefill_seconds_per_token = (time.perf_counter() - t0) / (b * self.prefill_chunk)
         say(f"compiling the decode loop ({b} rows, N_buf {self.buffer_size})")

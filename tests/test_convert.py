@@ -18,6 +18,7 @@ from mbd_jax.convert import convert
 from mbd_jax.engine import Engine
 from mbd_jax.errors import ConfigError, UserError
 from mbd_jax.model import layout
+from mbd_jax.model.forward_meta import ForwardMeta
 from mbd_jax.model.transformer import Attention, MoE, Transformer, block_causal_mask
 
 BLOCK = 4
@@ -96,8 +97,8 @@ def torch_decode(model, prompt: list[int], max_new: int, threshold: float = 0.95
 
 def ours_logits(loaded, ids: list[int]) -> np.ndarray:
     pos = jnp.arange(len(ids))[None]
-    logits, _ = Transformer(loaded.cfg).apply({"params": loaded.params}, jnp.asarray([ids]), pos,
-                                              mask=block_causal_mask(pos, BLOCK))
+    logits, _ = Transformer(loaded.cfg).apply({"params": loaded.params}, jnp.asarray([ids]),
+                                              ForwardMeta.explicit(pos, block_causal_mask(pos, BLOCK)))
     return np.asarray(logits[0])
 
 
@@ -271,8 +272,8 @@ def test_llada2_attention_matches_numpy(llada):
     x = np.random.default_rng(4).normal(size=(11, LLADA["hidden_size"]))
     pos = jnp.arange(11)[None]
     got, _ = Attention(loaded.cfg).apply({"params": layout.to_canonical(loaded.params, loaded.cfg)["layer_0"]["attn"]},
-                                         jnp.asarray(x[None], jnp.float32), pos, None, None, None, None,
-                                         block_causal_mask(pos, BLOCK))
+                                         jnp.asarray(x[None], jnp.float32),
+                                         ForwardMeta.explicit(pos, block_causal_mask(pos, BLOCK)), None, None)
     want = np_llada_attention(sd, 0, x, LLADA)
     np.testing.assert_allclose(np.asarray(got[0]), want, atol=1e-4, rtol=1e-4)
 

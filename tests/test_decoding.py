@@ -159,7 +159,7 @@ def test_bad_prompts_name_the_limit(engine4):
 
 def test_prefill_chunks_interleave_with_running_rows(cfg, params):
     """Row 0 keeps decoding between the prefill chunks of a long prompt admitted into row 1 (a free
-    row's decode writes go to the scratch region, never over the prompt being prefilled); both
+    row's decode stores nothing, so it never writes over the prompt being prefilled); both
     rows end exactly as in an offline batch."""
     eng = Engine(cfg, params, batch_size=2, buffer_size=2, prefill_chunk=16)
     long_prompt = [10 + i % 400 for i in range(93)]  # 88 positions of full blocks: 6 chunks
@@ -204,6 +204,7 @@ def test_logprobs_equal_a_full_sequence_forward_at_commit_time(cfg, params):
     written when its block was all masks: its log-probability must equal a full-sequence forward
     (block-causal mask, no cache) of prompt + earlier blocks + a masked block, mask excluded."""
     from mbd_jax.model.layers import NEG_INF
+    from mbd_jax.model.forward_meta import ForwardMeta
     from mbd_jax.model.transformer import Transformer, block_causal_mask
 
     blk = cfg.block_size
@@ -217,8 +218,8 @@ def test_logprobs_equal_a_full_sequence_forward_at_commit_time(cfg, params):
     for k in range(0, len(r.token_ids), blk):
         seq = prompt + r.token_ids[:k] + [cfg.mask_token_id] * blk
         pos = jnp.arange(len(seq))[None]
-        logits, _ = apply({"params": params}, jnp.asarray([seq]), pos,
-                          mask=block_causal_mask(pos, blk))
+        logits, _ = apply({"params": params}, jnp.asarray([seq]),
+                          ForwardMeta.explicit(pos, block_causal_mask(pos, blk)))
         logits = logits[0, len(prompt) + k:].at[:, cfg.mask_token_id].set(NEG_INF)
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         block = r.token_ids[k: k + blk]

@@ -7,6 +7,7 @@ import pytest
 
 from mbd_jax.config import DecodeConfig
 from mbd_jax.engine import Engine
+from mbd_jax.model.forward_meta import ForwardMeta
 from mbd_jax.model.transformer import Transformer, block_causal_mask
 from tests.conftest import tiny_cfg, tiny_params
 
@@ -39,7 +40,8 @@ def test_buffer_path_equals_full_forward(router, attention, moe_impl):
 
     # Reference: one full-sequence forward per row with the explicit block-causal mask.
     pos = jnp.broadcast_to(jnp.arange(total), (b, total))
-    full, _ = apply({"params": params}, jnp.asarray(seqs), pos, mask=block_causal_mask(pos, blk))
+    full, _ = apply({"params": params}, jnp.asarray(seqs),
+                    ForwardMeta.explicit(pos, block_causal_mask(pos, blk)))
 
     # Buffer path: the engine's prefill writes each row's full prompt blocks ...
     engine = Engine(cfg, params, batch_size=b, prefill_chunk=16)
@@ -51,8 +53,9 @@ def test_buffer_path_equals_full_forward(router, attention, moe_impl):
     for _ in range(n_blocks_after):
         tokens = np.stack([seqs[i, o:o + blk] for i, o in enumerate(offset)])
         positions = offset[:, None] + np.arange(blk)
-        logits, kv = apply({"params": params}, jnp.asarray(tokens), jnp.asarray(positions), kv,
-                           jnp.asarray(offset), jnp.asarray(offset + blk))
+        meta = ForwardMeta.cached(jnp.asarray(positions), jnp.asarray(offset),
+                                  jnp.asarray(offset + blk))
+        logits, kv = apply({"params": params}, jnp.asarray(tokens), meta, kv)
         for i, o in enumerate(offset):
             ref = full[i, o:o + blk]
             worst = max(worst, float(jnp.max(jnp.abs(logits[i] - ref))))

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mbd_jax.kv import KVCache
+from mbd_jax.model.forward_meta import ForwardMeta
+from mbd_jax.model.kv_cache import KVCache
 from mbd_jax.model import layers
 
 
@@ -61,13 +62,15 @@ def test_chunked_attention_equals_dense_over_the_buffer():
 
 def test_kv_write_puts_each_row_at_its_offset_in_one_layer():
     """Both forms of the buffer (stacked for scanned layers, per layer for unrolled ones) write
-    the same positions and leave the other layers alone."""
+    the same positions and leave the other layers alone; a row the metadata does not select for
+    writing keeps what it had."""
     zeros = jnp.zeros((3, 2, 16, 1, 1), jnp.float32)  # [L, B, S, K, Dh]
     new = jnp.ones((2, 3, 1, 1), jnp.float32) * jnp.array([1.0, 2.0])[:, None, None, None]
-    offset = jnp.array([0, 5])
-    stacked = jax.jit(KVCache.write)(KVCache(k=zeros, v=zeros), jnp.int32(1), new, -new, offset)
-    per_layer = KVCache(k=tuple(zeros), v=tuple(zeros)).write(1, new, -new, offset)
+    meta = ForwardMeta.cached(jnp.zeros((2, 3), jnp.int32), jnp.array([0, 5]), jnp.full(2, 16))
+    stacked = jax.jit(KVCache.write)(KVCache(k=zeros, v=zeros), jnp.int32(1), new, -new, meta)
+    per_layer = KVCache(k=tuple(zeros), v=tuple(zeros)).write(1, new, -new, meta)
     assert stacked.stacked and not per_layer.stacked
+    only_row_1 = meta.replace(write=jnp.array([False, True]))
     for kv in (stacked, per_layer):
         k = np.stack([np.asarray(a) for a in (kv.k if not kv.stacked else list(kv.k))])[..., 0, 0]
         v = np.stack([np.asarray(a) for a in (kv.v if not kv.stacked else list(kv.v))])[..., 0, 0]
@@ -75,6 +78,11 @@ def test_kv_write_puts_each_row_at_its_offset_in_one_layer():
         assert k[1, 1].tolist() == [0] * 5 + [2, 2, 2] + [0] * 8
         np.testing.assert_array_equal(v[1], -k[1])
         assert not k[[0, 2]].any() and not v[[0, 2]].any()  # other layers untouched
+        again = kv.write(1, 5 * new, -5 * new, only_row_1)
+        k2 = np.stack([np.asarray(a) for a in (again.k if not again.stacked
+                                               else list(again.k))])[..., 0, 0]
+        assert k2[1, 0].tolist() == k[1, 0].tolist()  # not selected: unchanged
+        assert k2[1, 1].tolist() == [0] * 5 + [10, 10, 10] + [0] * 8
 
 
 def test_every_parameter_carries_logical_axes(cfg, params):

@@ -12,7 +12,8 @@ from mbd_jax.checkpoint import load_model, save_model
 from mbd_jax.config import DecodeConfig
 from mbd_jax.engine import Engine
 from mbd_jax.model import layout
-from mbd_jax.model.transformer import Transformer, block_causal_mask, init_params
+from mbd_jax.model.forward_meta import ForwardMeta
+from mbd_jax.model.transformer import cache_type, Transformer, block_causal_mask, init_params
 from tests.conftest import tiny_cfg
 
 TOL = 1e-5
@@ -58,15 +59,14 @@ def test_scanned_forward_equals_unrolled_on_both_paths(cfg):
     tokens = jnp.asarray(rng.integers(5, cfg.vocab_size, (2, 24)), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(24, dtype=jnp.int32), (2, 24))
     mask = block_causal_mask(pos, cfg.block_size)
-    fwd = lambda c, p: Transformer(c).apply({"params": p}, tokens, pos, mask=mask)[0]  # noqa: E731
+    fwd = lambda c, p: Transformer(c).apply({"params": p}, tokens,  # noqa: E731
+                                            ForwardMeta.explicit(pos, mask))[0]
     ref = np.asarray(fwd(unrolled, pu))
     np.testing.assert_allclose(np.asarray(fwd(scanned, ps)), ref, atol=TOL)
     # Buffer path: both write the same KV, and their logits equal the full-sequence ones.
-    from mbd_jax import kv as kvlib
-
-    offset, visible = jnp.zeros(2, jnp.int32), jnp.full(2, 24, jnp.int32)
-    out = [Transformer(c).apply({"params": p}, tokens, pos, kvlib.allocate(c, 2, 256), offset,
-                                visible) for c, p in ((unrolled, pu), (scanned, ps))]
+    meta = ForwardMeta.cached(pos, jnp.zeros(2, jnp.int32), jnp.full(2, 24, jnp.int32))
+    out = [Transformer(c).apply({"params": p}, tokens, meta, cache_type(c).allocate(c, 2, 256))
+           for c, p in ((unrolled, pu), (scanned, ps))]
     for logits, _ in out:
         np.testing.assert_allclose(np.asarray(logits), ref, atol=TOL)
     np.testing.assert_allclose(np.asarray(out[1][1].k), np.asarray(out[0][1].k), atol=TOL)
@@ -110,13 +110,12 @@ def test_a_scanned_model_saves_the_canonical_layout(tmp_path, cfg):
 
 def _program_size(cfg) -> int:
     """Instructions in the optimised decode-forward program (one block, KV buffer path)."""
-    from mbd_jax import kv as kvlib
-
     params = jax.eval_shape(lambda: init_params(cfg))
-    kv = jax.eval_shape(lambda: kvlib.allocate(cfg, 1, 256))
+    kv = jax.eval_shape(lambda: cache_type(cfg).allocate(cfg, 1, 256))
     t = jax.ShapeDtypeStruct((1, cfg.block_size), jnp.int32)
     r = jax.ShapeDtypeStruct((1,), jnp.int32)
-    fwd = jax.jit(lambda p, x, q, c, o, v: Transformer(cfg).apply({"params": p}, x, q, c, o, v))
+    fwd = jax.jit(lambda p, x, q, c, o, v: Transformer(cfg).apply(
+        {"params": p}, x, ForwardMeta.cached(q, o, v), c))
     text = fwd.lower(params, t, t, kv, r, r).compile().as_text()
     return sum(1 for line in text.splitlines() if " = " in line)
 

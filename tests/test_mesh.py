@@ -32,6 +32,7 @@ def test_parse_mesh_fills_and_names_mistakes():
 
 FORWARD = textwrap.dedent("""
     import json, re, jax, numpy as np
+    from mbd_jax.model.forward_meta import ForwardMeta
     from mbd_jax.model.transformer import Transformer, block_causal_mask, init_params
     from mbd_jax.parallel import mesh as meshlib
     from tests.conftest import tiny_cfg
@@ -51,20 +52,20 @@ FORWARD = textwrap.dedent("""
         rng = np.random.default_rng(0)
         tokens = rng.integers(5, cfg.vocab_size, size=(2, 24)).astype(np.int32)
         pos = np.tile(np.arange(24, dtype=np.int32), (2, 1))
-        mask = block_causal_mask(pos, cfg.block_size)
-        ref = np.asarray(jax.jit(lambda p: Transformer(cfg).apply({"params": p}, tokens, pos,
-                                                                   mask=mask)[0])(params))
+        meta = ForwardMeta.explicit(pos, block_causal_mask(pos, cfg.block_size))
+        ref = np.asarray(jax.jit(lambda p: Transformer(cfg).apply({"params": p}, tokens,
+                                                                   meta)[0])(params))
         for shape in shapes:
             m = meshlib.make_mesh(dict(zip(meshlib.AXES, shape)))
             sharded = jax.device_put(params, meshlib.param_shardings(cfg, m))
-            fwd = jax.jit(lambda p, t, q: Transformer(cfg, m).apply({"params": p}, t, q,
-                                                                    mask=mask)[0])
+            fwd = jax.jit(lambda p, t, q: Transformer(cfg, m).apply(
+                {"params": p}, t, ForwardMeta.explicit(q, meta.mask))[0])
             got = np.asarray(fwd(sharded, tokens, pos))
             hlo = fwd.lower(sharded, tokens, pos).compile().as_text()
             # per-layer shapes (a scanned run stacks its layers on a leading axis)
             experts = (sharded.get("layer_1") or sharded["layers_1_3"])["moe"]["experts_up"]
             q = (sharded.get("layer_0") or sharded["layers_0_1"])["attn"]["q_proj"]
-            kv = jax.tree.leaves(meshlib.kv_shardings(cfg, m, 2, 64))[0]  # scan: all layers
+            kv = jax.tree.leaves(meshlib.cache_shardings(cfg, m, 2, 64))[0]  # scan: all layers
             out.append({"router": router, "impl": impl, "mesh": shape, "err": float(np.abs(got - ref).max()),
                         "experts_local": list(experts.addressable_shards[0].data.shape)[-3:],
                         "experts_global": list(experts.shape)[-3:],
@@ -154,6 +155,7 @@ def test_sharded_engine_generates_the_same_tokens():
 RESTORE = textwrap.dedent("""
     import json, sys, jax, numpy as np
     from mbd_jax.checkpoint import load_model, save_model
+    from mbd_jax.model.forward_meta import ForwardMeta
     from mbd_jax.model.transformer import Transformer, block_causal_mask, init_params
     from mbd_jax.parallel import mesh as meshlib
     from tests.conftest import tiny_cfg
@@ -163,12 +165,14 @@ RESTORE = textwrap.dedent("""
     save_model(sys.argv[1], cfg, params)
     tokens = np.arange(5, 29, dtype=np.int32).reshape(1, 24)
     pos = np.arange(24, dtype=np.int32)[None]
-    mask = block_causal_mask(pos, cfg.block_size)
+    meta = ForwardMeta.explicit(pos, block_causal_mask(pos, cfg.block_size))
     def logits(mesh, p):
         return np.asarray(jax.jit(lambda p: Transformer(cfg, mesh).apply(
-            {"params": p}, tokens, pos, mask=mask)[0])(p))
+            {"params": p}, tokens, meta)[0])(p))
     ref = logits(write, params)
-    out = {}
+    one = init_params(cfg, mesh=meshlib.make_mesh(meshlib.parse_mesh("data=1", 1), jax.devices()[:1]))
+    out = {"init_err": max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+                           for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(one)))}
     for spec in ("data=2,expert=2,tensor=2", "tensor=8", "data=1"):
         mesh = meshlib.make_mesh(meshlib.parse_mesh(spec, 8 if spec != "data=1" else 1),
                                  jax.devices()[: 1 if spec == "data=1" else 8])
@@ -183,9 +187,11 @@ RESTORE = textwrap.dedent("""
 
 
 def test_sharded_checkpoint_restores_onto_other_meshes(tmp_path):
-    """Parameters written shard by shard from an (expert 4, tensor 2) mesh restore straight into
-    the shardings of other mesh shapes (and one device) with the same logits."""
+    """Parameters drawn and written shard by shard from an (expert 4, tensor 2) mesh equal the
+    ones drawn on one device, and restore straight into the shardings of other mesh shapes (and
+    one device) with the same logits."""
     out = run_on_8_cpu_devices(RESTORE.replace("sys.argv[1]", repr(str(tmp_path / "m"))))
+    assert out.pop("init_err") == 0.0  # random init draws the same values sharded or not
     assert set(out) == {"data=2,expert=2,tensor=2", "tensor=8", "data=1"}
     for spec, row in out.items():
         assert row["placed"], spec

@@ -202,6 +202,7 @@ def test_auto_expert_path_is_chosen_per_backend():
 def test_auto_model_equals_the_dense_reference():
     import numpy as np
 
+    from mbd_jax.model.forward_meta import ForwardMeta
     from mbd_jax.model.transformer import Transformer, block_causal_mask
     from tests.conftest import tiny_cfg, tiny_params
 
@@ -209,7 +210,8 @@ def test_auto_model_equals_the_dense_reference():
     pos = np.arange(16, dtype=np.int32)[None]
     mask = block_causal_mask(pos, tiny_cfg().block_size)
     out = {impl: jax.jit(Transformer(tiny_cfg(moe_impl=impl)).apply)(
-        {"params": tiny_params()}, tokens, pos, mask=mask)[0] for impl in ("auto", "dense")}
+        {"params": tiny_params()}, tokens, ForwardMeta.explicit(pos, mask))[0]
+        for impl in ("auto", "dense")}
     assert float(jnp.abs(out["dense"]).max()) > 0.1
     np.testing.assert_allclose(out["auto"], out["dense"], atol=1e-5)
 

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mbd_jax import kv as kvlib
 from mbd_jax.config import DecodeConfig
 from mbd_jax.decoding import block_buffer, policy
 from mbd_jax.engine import Engine
+from mbd_jax.model.forward_meta import ForwardMeta
 from mbd_jax.model.transformer import Transformer
 
 PROMPTS = [list(range(10, 10 + n)) for n in (3, 8, 13, 20)]
@@ -58,9 +58,9 @@ def test_multibd_cache_is_exact(cfg, params, debug_engine):
         assert n >= prompt_blocks + 2 * cfg.block_size  # at least two decoded blocks committed
         tokens = host.canvas[row, :n]
         assert (tokens != cfg.mask_token_id).all()
-        fresh = kvlib.allocate(cfg, 1, eng.capacity)
-        _, ref = model.apply({"params": params}, jnp.asarray(tokens[None]), jnp.arange(n)[None],
-                             fresh, jnp.zeros(1, jnp.int32), jnp.full(1, n))
+        fresh = eng.cache.allocate(cfg, 1, eng.capacity)
+        meta = ForwardMeta.cached(jnp.arange(n)[None], jnp.zeros(1, jnp.int32), jnp.full(1, n))
+        _, ref = model.apply({"params": params}, jnp.asarray(tokens[None]), meta, fresh)
         for layer in range(cfg.num_layers):
             for got, want in ((eng.kv.k[layer], ref.k[layer]), (eng.kv.v[layer], ref.v[layer])):
                 diff = float(jnp.max(jnp.abs(got[row, :n] - want[0, :n])))

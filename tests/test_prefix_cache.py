@@ -15,6 +15,7 @@ import pytest
 from mbd_jax.cache.prefix_store import PrefixStore, block_keys
 from mbd_jax.config import DecodeConfig
 from mbd_jax.engine import Engine
+from mbd_jax.model.forward_meta import ForwardMeta
 from mbd_jax.model.transformer import Transformer
 from tests.conftest import tiny_cfg, tiny_params
 
@@ -207,9 +208,9 @@ def first_step_logits(engine: Engine, prompt: list[int], row: int = 0) -> np.nda
     window = host.canvas[row:row + 1, start:start + 2 * cfg.block_size]
     pos = start + np.arange(window.shape[1], dtype=np.int32)[None]
     kv = jax.tree.map(lambda a: a[..., row:row + 1, :, :, :], engine.kv)  # rows: axis -4
-    logits, _ = Transformer(cfg).apply({"params": engine.params}, window, pos, kv,
-                                       np.array([start], np.int32),
-                                       np.array([start + window.shape[1]], np.int32))
+    meta = ForwardMeta.cached(pos, np.array([start], np.int32),
+                              np.array([start + window.shape[1]], np.int32))
+    logits, _ = Transformer(cfg).apply({"params": engine.params}, window, meta, kv)
     return np.asarray(logits[0])
 
 

@@ -201,3 +201,42 @@ def test_weight_decay_reaches_the_same_parameters_scanned_or_unrolled():
     assert layout.scanned(tiny_cfg(layer_loop="scan")) and unrolled == scanned
     assert not scanned["moe/expert_bias"] and not scanned["attn/q_norm"]
     assert scanned["moe/experts_up"] and scanned["attn/q_proj"] and scanned["embed"]
+
+
+@pytest.mark.parametrize("loop", ["unrolled", "scan"])
+def test_expert_bias_balances_a_router_skewed_to_one_expert(loop):
+    """The auxiliary-loss-free update: with expert 0's routing bias far above the rest (every
+    token picks it), the first step's busiest expert has every token (load E/k times the mean),
+    each bias moves by exactly the rate against its expert's load (down for expert 0; the
+    optimizer leaves the bias alone), and a few steps bring the busiest load toward the mean.
+    With rate 0 the bias stays where it was."""
+    cfg, _, tok = small_model()
+    cfg = dataclasses.replace(cfg, layer_loop=loop)
+    skew = jax.tree_util.tree_map_with_path(
+        lambda path, p: p.at[..., 0].set(2.0) if getattr(path[-1], "key", "") == "expert_bias"
+        else p, init_params(cfg))
+
+    def biases(trainer):
+        return [np.asarray(p) for path, p in
+                jax.tree_util.tree_flatten_with_path(trainer.state["params"])[0]
+                if getattr(path[-1], "key", "") == "expert_bias"]
+
+    rate = 0.25
+    trainer = Trainer(tcfg(learning_rate=1e-6, expert_bias_rate=rate), cfg, skew, tok)
+    before = biases(trainer)
+    assert before and all(b[..., 0].min() == 2.0 for b in before)
+    first = trainer.train_step()
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    assert first["max_load"] == pytest.approx(e / k)  # expert 0 took every token
+    for b0, b1 in zip(before, biases(trainer)):
+        step = b1 - b0
+        np.testing.assert_allclose(step[..., 0], -rate)  # the busiest expert's bias goes down
+        assert np.all(np.isclose(np.abs(step), rate) | (step == 0)), step
+        assert (step > 0).any()  # experts below the mean go up
+    history = [trainer.train_step()["max_load"] for _ in range(8)]
+    assert history[-1] < 0.6 * first["max_load"], history
+
+    frozen = Trainer(tcfg(learning_rate=1e-6, expert_bias_rate=0.0), cfg, skew, tok)
+    frozen.train_step()
+    for b0, b1 in zip(before, biases(frozen)):
+        np.testing.assert_array_equal(b1, b0)

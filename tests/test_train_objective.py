@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mbd_jax.model.forward_meta import ForwardMeta
 from mbd_jax.model.transformer import Transformer, block_causal_mask
 from mbd_jax.train import objective
 from tests.conftest import tiny_cfg, tiny_params
@@ -94,8 +96,8 @@ def test_chain_uniform_noise_and_exact_mask_counts():
 
 
 def _forward(cfg, params, tokens, positions, mask):
-    logits, _ = Transformer(cfg).apply({"params": params}, tokens[None], positions[None],
-                                       mask=mask[None])
+    logits, _ = Transformer(cfg).apply({"params": params}, tokens[None],
+                                       ForwardMeta.explicit(positions[None], mask[None]))
     return np.asarray(logits[0])
 
 
@@ -132,9 +134,14 @@ def test_loss_matches_numpy(weighting):
     rows = [(rng.integers(10, cfg.vocab_size, size=seq).astype(np.int32), int(p)) for p in (3, 9)]
     batch = objective.make_batch(rows, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
                                  g_max=2, n_random=1, rng=rng)
-    loss, metrics = objective.loss_fn(params, Transformer(cfg),
-                                      {k: jnp.asarray(v) for k, v in batch.as_dict().items()},
-                                      block_size=cfg.block_size, weighting=weighting)
+    loss, (metrics, load) = objective.loss_fn(
+        params, Transformer(cfg), {k: jnp.asarray(v) for k, v in batch.as_dict().items()},
+        block_size=cfg.block_size, weighting=weighting)
+    # every token of both streams routed to k experts in each MoE layer
+    loads = jax.tree.leaves(load)
+    assert len(loads) == cfg.num_layers - cfg.first_k_dense
+    for x in loads:
+        assert float(np.sum(x)) == batch.noisy.size * 2 * cfg.num_experts_per_tok
     # reference: per-row forwards, NumPy log-softmax and weighting
     num = den = 0.0
     for r in range(batch.noisy.shape[0]):

@@ -14,34 +14,34 @@ import jax.numpy as jnp
 from mbd_jax.config import ModelConfig
 from mbd_jax.decoding import block_buffer, policy
 from mbd_jax.decoding.block_buffer import DecodeState
-from mbd_jax.kv import KVCache
+from mbd_jax.model.forward_meta import ForwardMeta
 
-ApplyFn = Callable[..., tuple[jax.Array, KVCache]]
+Cache = Any  # the model's cache type (model/transformer.py's cache_type): the loop never looks in
+ApplyFn = Callable[..., tuple[jax.Array, Cache]]
 
 
-def prefill(params: Any, kv: KVCache, tokens: jax.Array, start: jax.Array, full_len: jax.Array,
-            rows: jax.Array, scratch_offset: int, *, apply_fn: ApplyFn) -> KVCache:
-    """Writes the KV of prompt positions [start, start + T) of each selected row.
+def prefill(params: Any, kv: Cache, tokens: jax.Array, start: jax.Array, full_len: jax.Array,
+            rows: jax.Array, *, apply_fn: ApplyFn) -> Cache:
+    """Writes the cache entries of prompt positions [start, start + T) of each selected row.
 
     tokens: [B, T]; start: [B] where each row's chunk begins (rows whose first blocks came from
     the prefix cache start later); full_len: [B] length of each row's full prompt blocks; rows: [B]
-    bool, rows to prefill. Other rows write to the scratch region past every real position, so a
-    running row's KV is untouched (this lets the engine admit a request while others decode).
+    bool, rows to prefill. The other rows store nothing, so a running row's cache is untouched
+    (this lets the engine admit a request while others decode).
     """
     b, t = tokens.shape
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    offset = jnp.where(rows, start, scratch_offset).astype(jnp.int32)
     visible = jnp.where(rows, jnp.minimum(full_len, start + t), 1).astype(jnp.int32)
-    _, kv = apply_fn({"params": params}, tokens, positions, kv, offset, visible)
+    meta = ForwardMeta.cached(positions, start.astype(jnp.int32), visible, write=rows)
+    _, kv = apply_fn({"params": params}, tokens, meta, kv)
     return kv
 
 
-def decode_step(params: Any, state: DecodeState, kv: KVCache, *, apply_fn: ApplyFn,
-                cfg: ModelConfig, n_slots: int, scratch_offset: int,
-                debug: bool = False) -> tuple[DecodeState, KVCache]:
+def decode_step(params: Any, state: DecodeState, kv: Cache, *, apply_fn: ApplyFn,
+                cfg: ModelConfig, n_slots: int, debug: bool = False) -> tuple[DecodeState, Cache]:
     """One forward over every row's buffer (N * blk tokens), unmasking, and the bookkeeping.
-    Finished and free rows write their K/V to the scratch region, so a row whose next request is
-    being prefilled between decode calls is never overwritten. With `debug`, the Block Buffer
+    Finished and free rows store nothing in the cache, so a row whose next request is being
+    prefilled between decode calls is never overwritten. With `debug`, the Block Buffer
     invariants are checked after the step (state.violations)."""
     blk = cfg.block_size
     w = n_slots * blk
@@ -49,8 +49,8 @@ def decode_step(params: Any, state: DecodeState, kv: KVCache, *, apply_fn: Apply
     win = block_buffer.window(state, w)  # [B, W]
     positions = state.cached_len[:, None] + jnp.arange(w, dtype=jnp.int32)
     visible = jnp.maximum(state.cached_len + state.n_valid * blk, 1)
-    write_offset = jnp.where(state.done, scratch_offset, state.cached_len)
-    logits, kv = apply_fn({"params": params}, win, positions, kv, write_offset, visible)
+    meta = ForwardMeta.cached(positions, state.cached_len, visible, write=~state.done)
+    logits, kv = apply_fn({"params": params}, win, meta, kv)
 
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(p.seed, state.nfe)
     token, confidence, greedy = policy.predict(logits, cfg.mask_token_id, p.temperature, p.top_k,
@@ -89,9 +89,9 @@ def decode_step(params: Any, state: DecodeState, kv: KVCache, *, apply_fn: Apply
     return state, kv
 
 
-def decode_loop(params: Any, state: DecodeState, kv: KVCache, max_steps: jax.Array, *,
-                apply_fn: ApplyFn, cfg: ModelConfig, n_slots: int, scratch_offset: int,
-                debug: bool = False) -> tuple[DecodeState, KVCache, jax.Array]:
+def decode_loop(params: Any, state: DecodeState, kv: Cache, max_steps: jax.Array, *,
+                apply_fn: ApplyFn, cfg: ModelConfig, n_slots: int,
+                debug: bool = False) -> tuple[DecodeState, Cache, jax.Array]:
     """Runs decode steps on device until `max_steps` forwards ran or some row finished (so the
     host can refill it, or return it). Returns the steps run."""
 
@@ -102,7 +102,7 @@ def decode_loop(params: Any, state: DecodeState, kv: KVCache, max_steps: jax.Arr
     def body(carry):
         st, cache, steps, _ = carry
         new_st, cache = decode_step(params, st, cache, apply_fn=apply_fn, cfg=cfg, n_slots=n_slots,
-                                    scratch_offset=scratch_offset, debug=debug)
+                                    debug=debug)
         return new_st, cache, steps + 1, jnp.any(new_st.done & ~st.done)
 
     state, kv, steps, _ = jax.lax.while_loop(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mbd_jax.kv import KVCache
+from mbd_jax.model.kv_cache import KVCache
 
 NEG_INF = -1e30  # finite "minus infinity": fully masked rows stay finite (no NaN from exp/div)
 

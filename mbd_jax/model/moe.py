@@ -54,6 +54,19 @@ def route_sigmoid_grouped(logits: jax.Array, bias: jax.Array, k: int, n_group: i
     return ids, weights * scaling
 
 
+def expert_load(ids: jax.Array, num_experts: int) -> jax.Array:
+    """How many (token, slot) assignments each expert got. ids: [N, k] -> [E] float32."""
+    return jnp.zeros((num_experts,), jnp.float32).at[ids.reshape(-1)].add(1.0)
+
+
+def balance_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
+    """The auxiliary-loss-free balancing step (DeepSeek-V3): each expert's routing bias moves by
+    `rate` toward balance, down for experts above the mean load and up for those below.
+    bias, load: [..., E] (a scanned run stacks its layers on a leading axis)."""
+    mean = jnp.mean(load, axis=-1, keepdims=True)
+    return bias + rate * jnp.sign(mean - load).astype(bias.dtype)
+
+
 def experts_dense(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
                   w_up: jax.Array, w_down: jax.Array, out_dtype=None) -> jax.Array:
     """Every expert on every token, combined with the routing weights (the reference, and the

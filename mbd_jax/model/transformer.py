@@ -1,15 +1,17 @@
 """The block-diffusion transformer (Flax linen). One forward, used by training, prefill and decode:
 
-    logits, kv = model.apply(params, tokens[B,T], positions[B,T], kv, write_offset[B], visible_len[B])
+    logits, cache = model.apply(params, tokens[B, T], meta, cache)
 
-With a KV buffer, each layer writes the T new tokens' K/V at `write_offset` (per row) and attends
-over the buffer with the block-causal rule on absolute positions, bounded by `visible_len`.
-Without one (`kv=None`), the layers attend over the T tokens themselves under an explicit
-`mask[B, T, T]` (training, and the full-sequence reference in tests).
+`meta` (model/forward_meta.py) carries the positions and the rest of what the layers need. With a
+cache, each layer stores the T new tokens' K/V at `meta.write_offset` for the rows `meta.write`
+selects and attends over the cache with the block-causal rule on absolute positions, bounded by
+`meta.visible_len`. Without one (`cache=None`), the layers attend over the T tokens themselves
+under the explicit `meta.mask[B, T, T]` (training, and the full-sequence reference in tests).
+The cache's type is the model's (`cache_type`): nothing outside the model names its layout.
 
 The layers run unrolled or as one nn.scan per run of identical layers (model/layout.py); either
 way each layer gets its index and the carry (x, kv); the KV buffer's form follows the loop
-(kv.py: per-layer arrays unrolled, one stacked array scanned).
+(model/kv_cache.py: per-layer arrays unrolled, one stacked array scanned).
 
 With a device `mesh` of more than one device, the routed experts run expert-parallel inside
 shard_map (parallel/expert.py); everything else is partitioned by XLA from the parameter and
@@ -18,6 +20,7 @@ KV-buffer shardings (parallel/mesh.py).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -26,28 +29,66 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from mbd_jax.config import ModelConfig
-from mbd_jax.kv import KVCache
+from mbd_jax.model.forward_meta import ForwardMeta
+from mbd_jax.model.kv_cache import KVCache
 from mbd_jax.model import layers, layout, moe
 from mbd_jax.parallel.expert import sharded_experts
+
+
+class _Normal(nn.LogicallyPartitioned):
+    """A parameter to be drawn from N(0, init_std^2): `model.init` leaves it at zero and
+    init_params draws every such parameter of one shape in one random call."""
+
+
+def _normal(cfg: ModelConfig):
+    """The initializer of weight matrices: N(0, cfg.init_std^2), drawn by init_params."""
+    return _NORMAL
+
+
+_NORMAL = object()
 
 
 def _param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
            init: Any) -> jax.Array:
     """A parameter carrying logical axis names (mapped to mesh axes by the parallel rules)."""
     cfg: ModelConfig = module.cfg
-    return module.param(name, nn.with_logical_partitioning(init, axes), shape,
-                        jnp.dtype(cfg.param_dtype))
+    if init is _NORMAL:
+        boxed = lambda key, shape, dtype: _Normal(jnp.zeros(shape, dtype), axes)  # noqa: E731
+    else:
+        boxed = nn.with_logical_partitioning(init, axes)
+    return module.param(name, boxed, shape, jnp.dtype(cfg.param_dtype))
 
 
-def _normal(cfg: ModelConfig):
-    return nn.initializers.normal(cfg.init_std)
+def _draw_normals(boxed: Any, key: jax.Array, std: float, flat: bool) -> Any:
+    """`boxed` with every _Normal parameter drawn from N(0, std^2): one random draw of
+    [n, *shape] per distinct (shape, dtype), split across the n parameters of that shape.
+
+    XLA's CPU compiler spends 0.3-1 s per random call (10 s for the 3-layer tiny preset drawn per
+    parameter), so grouping keeps init's compile time short and independent of depth. `flat`
+    draws each group as one 1-D array (cheaper still to compile) and reshapes it: the values are
+    the same (threefry counters run over the flattened index), but a 1-D draw cannot be split the
+    way the parameters are sharded, so a multi-device mesh draws the [n, *shape] form."""
+    is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)  # noqa: E731
+    leaves, tree = jax.tree.flatten(boxed, is_leaf=is_box)
+    groups: dict[tuple, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, _Normal):
+            groups.setdefault((leaf.value.shape, leaf.value.dtype), []).append(i)
+    for ((shape, dtype), index), k in zip(groups.items(),
+                                          jax.random.split(key, max(len(groups), 1))):
+        group_shape = (len(index), *shape)
+        draws = jax.random.normal(k, (math.prod(group_shape),) if flat else group_shape)
+        draws = (std * draws).reshape(group_shape).astype(dtype)
+        for n, i in enumerate(index):
+            leaves[i] = leaves[i].replace_boxed(draws[n])
+    return jax.tree.unflatten(tree, leaves)
 
 
 class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, positions, kv: KVCache | None, layer, write_offset, visible_len, mask):
+    def __call__(self, x, meta: ForwardMeta, kv: KVCache | None, layer):
         cfg = self.cfg
         dt = jnp.dtype(cfg.compute_dtype)
         d, h, kh, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -63,20 +104,20 @@ class Attention(nn.Module):
                                 cfg.rms_norm_eps)
             k = layers.rms_norm(k, _param(self, "k_norm", (dh,), ("head_dim",), nn.initializers.ones),
                                 cfg.rms_norm_eps)
-        q = layers.apply_rope(q, positions, cfg.rope_theta, cfg.rotary_dim)
-        k = layers.apply_rope(k, positions, cfg.rope_theta, cfg.rotary_dim)
+        q = layers.apply_rope(q, meta.positions, cfg.rope_theta, cfg.rotary_dim)
+        k = layers.apply_rope(k, meta.positions, cfg.rope_theta, cfg.rotary_dim)
 
         if kv is None:  # explicit-mask path over the T tokens themselves
-            out = layers.dense_attention(q, k, v, mask)
+            out = layers.dense_attention(q, k, v, meta.mask)
         else:  # write into the buffer, then attend over it
-            kv = kv.write(layer, k, v, write_offset)
+            kv = kv.write(layer, k, v, meta)
             if cfg.attention_impl == "chunked":
-                out = layers.chunked_attention(q, kv, layer, positions, visible_len,
+                out = layers.chunked_attention(q, kv, layer, meta.positions, meta.visible_len,
                                                cfg.block_size, min(cfg.attention_chunk, kv.capacity))
             else:
                 k_all, v_all = kv.layer(layer)
-                visible = layers.block_causal_visible(positions, jnp.arange(kv.capacity),
-                                                      visible_len, cfg.block_size)
+                visible = layers.block_causal_visible(meta.positions, jnp.arange(kv.capacity),
+                                                      meta.visible_len, cfg.block_size)
                 out = layers.dense_attention(q, k_all.astype(dt), v_all.astype(dt), visible)
         return jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), kv
 
@@ -115,6 +156,10 @@ class MoE(nn.Module):
             ids, weights = moe.route_sigmoid_grouped(
                 logits, bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
                 cfg.norm_topk_prob, cfg.routed_scaling_factor)
+            # tokens routed to each expert, for the trainer's bias update (kept only when the
+            # caller makes "intermediates" mutable: training; decoding never does)
+            self.sow("intermediates", "expert_load", moe.expert_load(ids, e),
+                     init_fn=lambda: jnp.zeros((e,), jnp.float32), reduce_fn=jnp.add)
         wg = _param(self, "experts_gate", (e, d, f), ("expert", "embed", "mlp"), _normal(cfg))
         wu = _param(self, "experts_up", (e, d, f), ("expert", "embed", "mlp"), _normal(cfg))
         wd = _param(self, "experts_down", (e, f, d), ("expert", "mlp", "embed"), _normal(cfg))
@@ -135,14 +180,13 @@ class DecoderLayer(nn.Module):
     mesh: Mesh | None = None
 
     @nn.compact
-    def __call__(self, carry, layer, positions, write_offset, visible_len, mask):
+    def __call__(self, carry, layer, meta: ForwardMeta):
         cfg = self.cfg
         x, kv = carry  # x: [B, T, D]
         norm = lambda name: _param(self, name, (cfg.hidden_size,), ("embed",),  # noqa: E731
                                    nn.initializers.ones)
         h = layers.rms_norm(x, norm("input_norm"), cfg.rms_norm_eps)
-        attn, kv = Attention(cfg, name="attn")(h, positions, kv, layer, write_offset, visible_len,
-                                               mask)
+        attn, kv = Attention(cfg, name="attn")(h, meta, kv, layer)
         x = x + attn
         h = layers.rms_norm(x, norm("post_attn_norm"), cfg.rms_norm_eps)
         if cfg.is_moe_layer(self.index):
@@ -157,27 +201,26 @@ class Transformer(nn.Module):
     mesh: Mesh | None = None  # expert parallelism under this mesh (None: one device)
 
     @nn.compact
-    def __call__(self, tokens, positions, kv: KVCache | None = None, write_offset=None,
-                 visible_len=None, mask=None):
-        """tokens, positions: [B, T] int32. Returns (logits [B, T, V] float32, kv or None)."""
+    def __call__(self, tokens, meta: ForwardMeta, cache: KVCache | None = None):
+        """tokens: [B, T] int32. Returns (logits [B, T, V] float32, the updated cache or None)."""
         cfg, dt = self.cfg, jnp.dtype(self.cfg.compute_dtype)
-        if (kv is None) == (mask is None):
-            raise ValueError("pass exactly one of kv (buffer path) or mask (explicit path)")
+        if (cache is None) == meta.uses_cache:
+            raise ValueError("a forward over a cache needs ForwardMeta.cached, one without "
+                             "ForwardMeta.explicit")
         embed = _param(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
                        _normal(cfg))
-        carry = (jnp.take(embed, tokens, axis=0).astype(dt), kv)  # x: [B, T, D]
-        shared = (positions, write_offset, visible_len, mask)
+        carry = (jnp.take(embed, tokens, axis=0).astype(dt), cache)  # x: [B, T, D]
         if layout.scanned(cfg):
             for start, stop in layout.runs(cfg):
-                run = nn.scan(DecoderLayer, variable_axes={"params": 0},
+                run = nn.scan(DecoderLayer, variable_axes={"params": 0, "intermediates": 0},
                               split_rngs={"params": True}, length=stop - start,
-                              in_axes=(0,) + (nn.broadcast,) * len(shared),
+                              in_axes=(0, nn.broadcast),
                               metadata_params={nn.PARTITION_NAME: "layers"})
                 carry, _ = run(cfg, start, self.mesh, name=layout.run_name(start, stop))(
-                    carry, jnp.arange(start, stop, dtype=jnp.int32), *shared)
+                    carry, jnp.arange(start, stop, dtype=jnp.int32), meta)
         else:
             for i in range(cfg.num_layers):
-                carry, _ = DecoderLayer(cfg, i, self.mesh, name=f"layer_{i}")(carry, i, *shared)
+                carry, _ = DecoderLayer(cfg, i, self.mesh, name=f"layer_{i}")(carry, i, meta)
         x, kv = carry
         x = layers.rms_norm(x, _param(self, "final_norm", (cfg.hidden_size,), ("embed",),
                                       nn.initializers.ones), cfg.rms_norm_eps)
@@ -206,7 +249,9 @@ def init_params(cfg: ModelConfig, seed: int | None = None, mesh: Mesh | None = N
         shardings = param_shardings(cfg, mesh)
 
     def init(k):
-        canonical = nn.meta.unbox(model.init(k, tokens, tokens, mask=mask)["params"])
+        boxed = model.init(k, tokens, ForwardMeta.explicit(tokens, mask))["params"]
+        flat = mesh is None or mesh.size == 1
+        canonical = nn.meta.unbox(_draw_normals(boxed, k, cfg.init_std, flat))
         return layout.to_runtime(canonical, cfg)
 
     return jax.jit(init, out_shardings=shardings)(key)
@@ -217,9 +262,16 @@ def param_logical_axes(cfg: ModelConfig) -> Any:
     model = Transformer(cfg)
     tokens = jnp.zeros((1, cfg.block_size), jnp.int32)
     mask = jnp.ones((1, cfg.block_size, cfg.block_size), bool)
-    abstract = jax.eval_shape(lambda k: model.init(k, tokens, tokens, mask=mask),
+    abstract = jax.eval_shape(lambda k: model.init(k, tokens, ForwardMeta.explicit(tokens, mask)),
                               jax.random.PRNGKey(0))
     return nn.get_partition_spec(abstract["params"])
+
+
+def cache_type(cfg: ModelConfig) -> type[KVCache]:
+    """The cache this model's layers read and write (one type per layer kind; attention only
+    today). The engine, the offloader, the prefix store and the mesh rules use its interface."""
+    del cfg  # every layer is attention
+    return KVCache
 
 
 def block_causal_mask(positions: jax.Array, block_size: int) -> jax.Array:

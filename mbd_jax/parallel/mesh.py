@@ -108,18 +108,16 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def kv_shardings(cfg: ModelConfig, mesh: Mesh, batch: int, capacity: int) -> Any:
-    """A KVCache of shardings in the form `cfg`'s layer loop uses (kv.allocate): rows on `data`,
-    KV heads on `tensor` (kv.LOGICAL_AXES)."""
-    from mbd_jax.kv import LOGICAL_AXES, KVCache
-    from mbd_jax.model import layout
+def cache_shardings(cfg: ModelConfig, mesh: Mesh, batch: int, capacity: int) -> Any:
+    """The model's cache (transformer.cache_type) as a tree of shardings, from the logical axes
+    the cache names: rows on `data`, KV heads on `tensor`."""
+    from mbd_jax.model.transformer import cache_type
 
-    shape = (cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
-    if layout.scanned(cfg):
-        s = NamedSharding(mesh, spec_for(LOGICAL_AXES, shape, mesh))
-        return KVCache(k=s, v=s)
-    s = NamedSharding(mesh, spec_for(LOGICAL_AXES[1:], shape[1:], mesh))
-    return KVCache(k=(s,) * cfg.num_layers, v=(s,) * cfg.num_layers)
+    cache = cache_type(cfg)
+    shapes = jax.eval_shape(lambda: cache.allocate(cfg, batch, capacity))
+    is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x)  # noqa: E731
+    return jax.tree.map(lambda axes, s: NamedSharding(mesh, spec_for(axes, s.shape, mesh)),
+                        cache.logical_axes(cfg), shapes, is_leaf=is_axes)
 
 
 def abstract_params(cfg: ModelConfig, mesh: Mesh) -> Any:

@@ -33,6 +33,10 @@ class TrainConfig:
     weight_decay: float = 0.1
     clip_norm: float = 1.0
     b2: float = 0.98
+    # Auxiliary-loss-free load balancing (routers with an expert_bias): after each step every
+    # expert's bias moves this much toward balance (down if it got more than the mean of its
+    # layer's routed tokens, up if fewer). DeepSeek-V3 uses 0.001; 0 leaves the bias fixed.
+    expert_bias_rate: float = 1e-3
     compute_dtype: Literal["float32", "bfloat16"] = "float32"  # parameters stay float32
     seed: int = 0
     data_parallel: int = -1  # devices on the mesh's data axis; -1 = all local devices
@@ -59,6 +63,8 @@ class TrainConfig:
                "field 'learning_rate' must be > 0 and 'end_lr_fraction' in [0, 1]")
         _check(self.weight_decay >= 0 and self.clip_norm > 0 and 0 < self.b2 < 1, where,
                "need weight_decay >= 0, clip_norm > 0, 0 < b2 < 1")
+        _check(self.expert_bias_rate >= 0, where,
+               f"field 'expert_bias_rate' must be >= 0, got {self.expert_bias_rate}")
         _check(self.data_parallel == -1 or self.data_parallel >= 1, where,
                "field 'data_parallel' must be >= 1 or -1 (all devices)")
 

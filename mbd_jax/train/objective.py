@@ -22,10 +22,13 @@ Host-side sampling is NumPy (deterministic in the seed); the mask and the loss a
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from mbd_jax.model.forward_meta import ForwardMeta
 
 T_LOW, T_HIGH, RHO = 0.001, 1.0, 0.01
 
@@ -151,17 +154,23 @@ def dual_stream_mask(groups: jax.Array, block_size: int) -> jax.Array:
 
 
 def loss_fn(params, model, batch: dict[str, jax.Array], *, block_size: int,
-            weighting: str = "llada2") -> tuple[jax.Array, dict[str, jax.Array]]:
+            weighting: str = "llada2") -> tuple[jax.Array, tuple[dict[str, jax.Array], Any]]:
     """Cross-entropy on masked noisy positions (label = the clean token there, no shift).
 
     llada2: mean over masked tokens; sdar: each token weighted 1/t of its block, self-normalised.
+    Returns (loss, (metrics, expert_load)): expert_load is the tree of per-layer routed-token
+    counts the MoE layers sow (paths like the params', leaf `expert_load` [.., E]; empty for
+    routers without a bias), for the trainer's balancing update.
     """
     noisy, clean, masked = batch["noisy"], batch["clean"], batch["masked"]
     r, seq = noisy.shape
     tokens = jnp.concatenate([noisy, clean], axis=1)  # [R, 2L]
     positions = jnp.tile(jnp.arange(seq, dtype=jnp.int32), (r, 2))  # [R, 2L]
     mask = dual_stream_mask(batch["groups"], block_size)
-    logits, _ = model.apply({"params": params}, tokens, positions, mask=mask)
+    (logits, _), state = model.apply({"params": params}, tokens,
+                                     ForwardMeta.explicit(positions, mask),
+                                     mutable=["intermediates"])
+    load = state.get("intermediates", {})
     logits = logits[:, :seq].astype(jnp.float32)  # [R, L, V]: the noisy stream's predictions
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, clean[..., None], axis=-1)[..., 0]  # [R, L]
@@ -171,4 +180,9 @@ def loss_fn(params, model, batch: dict[str, jax.Array], *, block_size: int,
     loss = jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1e-9)
     correct = (jnp.argmax(logits, -1) == clean) & masked
     acc = jnp.sum(correct) / jnp.maximum(jnp.sum(masked), 1)
-    return loss, {"loss": loss, "token_acc": acc, "masked": jnp.sum(masked)}
+    metrics = {"loss": loss, "token_acc": acc, "masked": jnp.sum(masked)}
+    loads = jax.tree.leaves(load)
+    if loads:  # the busiest expert's load over the mean, averaged over MoE layers (1 = balanced)
+        ratio = [jnp.max(x, -1) / jnp.maximum(jnp.mean(x, -1), 1e-9) for x in loads]
+        metrics["max_load"] = jnp.mean(jnp.concatenate([jnp.ravel(r) for r in ratio]))
+    return loss, (metrics, load)

@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mbd_jax.checkpoint import save_model, write_manifest
 from mbd_jax.config import SHIPPED_MODEL_DIR, ModelConfig
 from mbd_jax.errors import UserError
-from mbd_jax.model import layout
+from mbd_jax.model import layout, moe
 from mbd_jax.model.transformer import Transformer
 from mbd_jax.parallel.mesh import make_mesh, param_shardings
 from mbd_jax.tokenizer import Tokenizer
@@ -103,13 +103,31 @@ def like_params(tree: Any, params: Any, otherwise: NamedSharding) -> Any:
     return jax.tree_util.tree_map_with_path(pick, tree)
 
 
+def balance_experts(params: Any, expert_load: Any, rate: float) -> Any:
+    """params with every router `expert_bias` moved toward balance by the loads its layer saw
+    (moe.balance_bias); `expert_load` mirrors the params' paths with leaf `expert_load`."""
+    if rate == 0:
+        return params
+
+    def update(path, p):
+        keys = [getattr(k, "key", k) for k in path]
+        if keys[-1] != "expert_bias":
+            return p
+        load = functools.reduce(lambda t, k: t[k], keys[:-1] + ["expert_load"], expert_load)
+        return moe.balance_bias(p, load, rate)
+
+    return jax.tree_util.tree_map_with_path(update, params)
+
+
 def train_step(state: dict, batch: dict, *, model: Transformer, tx: optax.GradientTransformation,
-               block_size: int, weighting: str) -> tuple[dict, dict]:
+               block_size: int, weighting: str, expert_bias_rate: float) -> tuple[dict, dict]:
     loss = functools.partial(objective.loss_fn, model=model, block_size=block_size,
                              weighting=weighting)
-    grads, metrics = jax.grad(lambda p: loss(p, batch=batch), has_aux=True)(state["params"])
+    grads, (metrics, load) = jax.grad(lambda p: loss(p, batch=batch),
+                                      has_aux=True)(state["params"])
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
+    params = balance_experts(params, load, expert_bias_rate)
     metrics["grad_norm"] = optax.tree.norm(grads)
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
@@ -143,7 +161,8 @@ class Trainer:
         self.state_shardings = jax.tree.map(lambda a: a.sharding, self.state)
         self._step = jax.jit(
             functools.partial(train_step, model=Transformer(self.cfg, self.mesh), tx=self.tx,
-                              block_size=cfg.block_size, weighting=tcfg.weighting),
+                              block_size=cfg.block_size, weighting=tcfg.weighting,
+                              expert_bias_rate=tcfg.expert_bias_rate),
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
         self._manager = None

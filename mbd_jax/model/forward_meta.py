@@ -1,0 +1,47 @@
+"""ForwardMeta: everything one forward needs besides the tokens, in one struct for every layer.
+
+Two kinds of forward read it:
+
+- over a cache (prefill and decode): each row's T new tokens sit at `positions`, their cache
+  entries go to [write_offset, write_offset + T) for the rows `write` selects (the others leave
+  the cache as it was: a free row, a finished one, a row not in this prefill), and attention reads
+  cache positions [0, visible_len) under the block-causal rule;
+- without a cache (training, the full-sequence reference): the T tokens attend to each other
+  under an explicit `mask`.
+
+A layer kind takes what it needs from it (attention: all of it); new layer kinds (a recurrent
+state beside the KV) read the same struct.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class ForwardMeta:
+    positions: jax.Array  # [B, T] int32: each token's absolute position
+    write_offset: jax.Array | None = None  # [B] int32: cache position of row b's first new token
+    visible_len: jax.Array | None = None  # [B] int32: cache positions [0, visible_len) are read
+    write: jax.Array | None = None  # [B] bool: rows whose new entries the cache stores
+    mask: jax.Array | None = None  # [B, T, T] bool: explicit attention (no cache)
+
+    @classmethod
+    def cached(cls, positions: jax.Array, write_offset: jax.Array, visible_len: jax.Array,
+               write: jax.Array | None = None) -> ForwardMeta:
+        """A forward over a cache (every row stores its entries unless `write` says otherwise)."""
+        if write is None:
+            write = jnp.ones(positions.shape[:1], bool)
+        return cls(positions=positions, write_offset=write_offset, visible_len=visible_len,
+                   write=write)
+
+    @classmethod
+    def explicit(cls, positions: jax.Array, mask: jax.Array) -> ForwardMeta:
+        """A forward without a cache: the tokens attend to each other under `mask`."""
+        return cls(positions=positions, mask=mask)
+
+    @property
+    def uses_cache(self) -> bool:
+        return self.mask is None

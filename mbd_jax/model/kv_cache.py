@@ -1,0 +1,188 @@
+"""The attention layers' cache: a preallocated KV buffer, the one cache type the model has today.
+
+The model owns its cache layout (model/transformer.py's `cache_type`); everything outside the
+model (the engine, the offloader, the prefix store, the mesh rules) reaches it only through this
+class's interface:
+
+- `allocate(cfg, batch, capacity)` and `logical_axes(cfg)`, a tree shaped like the cache whose
+  leaves name each axis (the mesh rules shard the cache from it);
+- `entry_shape(cfg, tokens)`: one row's entries for `tokens` consecutive positions as one host
+  array (what the prefix store keeps per block); `gather` takes them out of the cache for several
+  (row, start) pairs at once, `join` makes one span of consecutive stored ones, `load` puts a
+  span into one row;
+- `write(layer, k, v, meta)` and `layer(i)`: what the attention layer does with it, where `meta`
+  (model/forward_meta.py) says where each row's new entries go and which rows store them.
+
+The buffer comes in one of two forms the model's layer loop picks:
+
+- unrolled layers: k and v are tuples of L arrays [B, S_max, K, Dh], one per layer;
+- scanned layers: k and v are single [L, B, S_max, K, Dh] arrays (the scan carries them and
+  indexes them with a traced layer number).
+
+XLA:CPU updates a per-layer array in place but copied the stacked one for every layer of an
+unrolled forward (half the batch-16 decode speed, docs/performance.md), hence two forms. Row b is
+request slot b and index s holds absolute position s. The buffer is allocated once per engine and
+donated to every jitted call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mbd_jax.config import ModelConfig
+from mbd_jax.model.forward_meta import ForwardMeta
+
+_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")  # of a stacked k or v
+
+
+@flax.struct.dataclass
+class KVCache:
+    k: jax.Array | tuple[jax.Array, ...]  # [L, B, S_max, K, Dh] or L x [B, S_max, K, Dh]
+    v: jax.Array | tuple[jax.Array, ...]
+
+    # ------------------------------------------------------------ outside the model
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=None) -> KVCache:
+        """Zeros in the form `cfg`'s layer loop reads (model/layout.py)."""
+        from mbd_jax.model import layout
+
+        dtype = jnp.dtype(dtype or cfg.compute_dtype)
+        if capacity % cfg.attention_chunk:
+            raise ValueError(f"KV capacity {capacity} must be a multiple of attention_chunk "
+                             f"{cfg.attention_chunk}")
+        shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+        if layout.scanned(cfg):
+            return cls(k=jnp.zeros((cfg.num_layers,) + shape, dtype),
+                       v=jnp.zeros((cfg.num_layers,) + shape, dtype))
+        zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # noqa: E731
+        return cls(k=zeros(), v=zeros())
+
+    @classmethod
+    def logical_axes(cls, cfg: ModelConfig) -> KVCache:
+        """The cache's tree with each leaf's logical axis names (parallel/mesh.py's rules)."""
+        from mbd_jax.model import layout
+
+        if layout.scanned(cfg):
+            return cls(k=_AXES, v=_AXES)
+        return cls(k=(_AXES[1:],) * cfg.num_layers, v=(_AXES[1:],) * cfg.num_layers)
+
+    @staticmethod
+    def capacity_for(cfg: ModelConfig, max_write: int) -> int:
+        """S_max for positions [0, max_seq_len) plus `max_write` (the longest write a forward
+        makes, which may start at the last position), rounded up to the attention chunk so chunk
+        slices never clamp."""
+        need = cfg.max_seq_len + max_write
+        return -(-need // cfg.attention_chunk) * cfg.attention_chunk
+
+    @staticmethod
+    def entry_shape(cfg: ModelConfig, tokens: int) -> tuple[int, ...]:
+        """One row's entries for `tokens` consecutive positions: [L, 2 (k, v), T, K, Dh]."""
+        return (cfg.num_layers, 2, tokens, cfg.num_kv_heads, cfg.head_dim)
+
+    @staticmethod
+    def join(entries: Sequence[np.ndarray], tokens: int) -> np.ndarray:
+        """Host entries of consecutive spans as one span of `tokens` positions (zeros after
+        them): what `load` takes for a run of stored blocks."""
+        span = np.concatenate(entries, axis=2)  # the token axis of entry_shape
+        return np.pad(span, [(0, 0), (0, 0), (0, tokens - span.shape[2]), (0, 0), (0, 0)])
+
+    @property
+    def stacked(self) -> bool:
+        return not isinstance(self.k, tuple)
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0] if self.stacked else len(self.k)
+
+    @property
+    def capacity(self) -> int:
+        return self.layer(0)[0].shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.layer(0)[0].shape[2]
+
+    @property
+    def dtype(self):
+        return self.layer(0)[0].dtype
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in jax.tree.leaves(self))
+
+    def load(self, entries: jax.Array, row: jax.Array, start: jax.Array) -> KVCache:
+        """Puts one row's entries (entry_shape(cfg, T)) at positions [start, start + T)."""
+        if self.stacked:
+            def put(buf: jax.Array, new: jax.Array) -> jax.Array:  # new: [L, T, K, Dh]
+                return jax.lax.dynamic_update_slice(buf, new[:, None].astype(buf.dtype),
+                                                    (0, row, start, 0, 0))
+
+            return KVCache(k=put(self.k, entries[:, 0]), v=put(self.v, entries[:, 1]))
+
+        def put_layer(buf: jax.Array, new: jax.Array) -> jax.Array:  # new: [T, K, Dh]
+            return jax.lax.dynamic_update_slice(buf, new[None].astype(buf.dtype),
+                                                (row, start, 0, 0))
+
+        return KVCache(k=tuple(put_layer(k, entries[i, 0]) for i, k in enumerate(self.k)),
+                       v=tuple(put_layer(v, entries[i, 1]) for i, v in enumerate(self.v)))
+
+    def gather(self, rows: jax.Array, starts: jax.Array, tokens: int) -> jax.Array:
+        """The entries of n spans: span i is positions [starts[i], starts[i] + tokens) of row
+        rows[i]. Returns [n, *entry_shape(cfg, tokens)]."""
+        def one(row, start):
+            def take(buf):  # [B, S, K, Dh] -> [tokens, K, Dh]
+                return jax.lax.dynamic_slice(buf, (row, start, 0, 0),
+                                             (1, tokens) + buf.shape[2:])[0]
+
+            return jnp.stack([jnp.stack([take(k), take(v)])
+                              for k, v in (self.layer(i) for i in range(self.num_layers))])
+
+        return jax.vmap(one)(rows, starts)
+
+    # ------------------------------------------------------------ inside the model
+    def layer(self, layer) -> tuple[jax.Array, jax.Array]:
+        """One layer's k and v, [B, S_max, K, Dh] each (`layer` may be traced when stacked)."""
+        if self.stacked:
+            take = lambda buf: jax.lax.dynamic_index_in_dim(buf, layer, keepdims=False)  # noqa: E731
+            return take(self.k), take(self.v)
+        return self.k[layer], self.v[layer]
+
+    def write(self, layer, k_new: jax.Array, v_new: jax.Array, meta: ForwardMeta) -> KVCache:
+        """k_new[b], v_new[b] ([B, T, K, Dh]) go to positions [write_offset[b], + T) of row b in
+        `layer`, for the rows meta.write selects; the others keep what they had there. The caller
+        guarantees write_offset + T <= S_max (dynamic_update_slice would clamp and silently
+        overwrite earlier positions otherwise: capacity_for leaves the room)."""
+        offset, keep = meta.write_offset, ~meta.write
+        if self.stacked:
+            return KVCache(k=_write_stacked(self.k, layer, k_new, offset, keep),
+                           v=_write_stacked(self.v, layer, v_new, offset, keep))
+        k, v = list(self.k), list(self.v)
+        k[layer] = _write_rows(k[layer], k_new, offset, keep)
+        v[layer] = _write_rows(v[layer], v_new, offset, keep)
+        return KVCache(k=tuple(k), v=tuple(v))
+
+
+def _write_rows(buf: jax.Array, new: jax.Array, offset: jax.Array, keep: jax.Array) -> jax.Array:
+    """buf: [B, S, K, Dh]; new: [B, T, K, Dh]; offset, keep: [B]."""
+    def one(row_buf, row_new, off, kept):
+        old = jax.lax.dynamic_slice(row_buf, (off, 0, 0), row_new.shape)
+        new = jnp.where(kept, old, row_new.astype(row_buf.dtype))
+        return jax.lax.dynamic_update_slice(row_buf, new, (off, 0, 0))
+
+    return jax.vmap(one)(buf, new, offset, keep)
+
+
+def _write_stacked(buf: jax.Array, layer, new: jax.Array, offset: jax.Array,
+                   keep: jax.Array) -> jax.Array:
+    """buf: [L, B, S, K, Dh]; new: [B, T, K, Dh]; offset, keep: [B]."""
+    def one(row_buf, row_new, off, kept):  # row_buf: [L, S, K, Dh]; row_new: [T, K, Dh]
+        at = (layer, off, 0, 0)
+        old = jax.lax.dynamic_slice(row_buf, at, (1,) + row_new.shape)
+        new = jnp.where(kept, old, row_new[None].astype(row_buf.dtype))
+        return jax.lax.dynamic_update_slice(row_buf, new, at)
+
+    return jax.vmap(one, in_axes=(1, 0, 0, 0), out_axes=1)(buf, new, offset, keep)
