@@ -120,19 +120,20 @@ def split_reasoning(text: str) -> tuple[str, str]:
 
 class ReasoningStream:
     """split_reasoning over streamed deltas: each `push` returns (reasoning delta, answer delta).
-    Text is reasoning until THINK_END; a possible partial THINK_END is held back."""
+    Text is reasoning until THINK_END; a possible partial THINK_END is held back, and so is the
+    whitespace that opens the answer, whichever delta it arrives in."""
 
     def __init__(self) -> None:
-        self._pending, self.answering = "", False
+        self._pending, self.answering, self._answer_started = "", False, False
 
     def push(self, text: str) -> tuple[str, str]:
         if self.answering:
-            return "", text
+            return "", self._answer(text)
         self._pending += text
         head, sep, tail = self._pending.partition(THINK_END)
         if sep:
             self._pending, self.answering = "", True
-            return head, tail.lstrip()
+            return head, self._answer(tail)
         keep = next((k for k in range(len(THINK_END) - 1, 0, -1)
                      if self._pending.endswith(THINK_END[:k])), 0)
         out = self._pending[: len(self._pending) - keep]
@@ -142,3 +143,10 @@ class ReasoningStream:
     def finish(self) -> tuple[str, str]:
         out, self._pending = self._pending, ""
         return out, ""
+
+    def _answer(self, text: str) -> str:
+        """The answer delta, without the whitespace before the answer's first character."""
+        if not self._answer_started:
+            text = text.lstrip()
+            self._answer_started = bool(text)
+        return text

@@ -106,7 +106,7 @@ def verify_model_dir(model_dir: str | pathlib.Path) -> list[tuple[str, str | Non
     import orbax.checkpoint as ocp
 
     from mbd_jax.model import layout
-    from mbd_jax.model.transformer import init_params
+    from mbd_jax.model.transformer import param_shapes
 
     d = pathlib.Path(model_dir).absolute()
     results: list[tuple[str, str | None]] = []
@@ -129,7 +129,7 @@ def verify_model_dir(model_dir: str | pathlib.Path) -> list[tuple[str, str | Non
     else:
         results.append(("checksums", "no manifest.json: the files cannot be checked"))
     if cfg.init == "checkpoint":
-        want = jax.eval_shape(lambda: init_params(layout.canonical(cfg)))
+        want = param_shapes(layout.canonical(cfg))
         try:
             got = ocp.StandardCheckpointer().metadata(d / "params").item_metadata
         except Exception as e:  # orbax raises many types for a damaged checkpoint

@@ -344,9 +344,9 @@ def convert(src: str | pathlib.Path, dst: str | pathlib.Path, *, family: str = "
     import jax
 
     from mbd_jax.model import layout
-    from mbd_jax.model.transformer import init_params
+    from mbd_jax.model.transformer import param_shapes
 
-    shapes = jax.eval_shape(lambda: init_params(layout.canonical(cfg)))
+    shapes = param_shapes(layout.canonical(cfg))
     params = jax.tree.map(lambda s: np.empty(s.shape, np_dtype), shapes)
     seen = {k: False for k in _paths(params)}
     plan = list(_plan(cfg, family, set(source.names)))

@@ -57,6 +57,14 @@ def test_streamed_reasoning_split_equals_the_whole_text_split(text, cuts):
     assert (thought + t, answer + a) == chat.split_reasoning(text)
 
 
+def test_whitespace_opening_the_answer_is_dropped_in_whichever_delta_it_comes():
+    """The falsifying case hypothesis found: the space after THINK_END arrived in a later delta
+    than THINK_END itself and reached the answer stream."""
+    stream = chat.ReasoningStream()
+    pieces = [stream.push(p) for p in ("<<", "</think>", " ", "\n4", " 2")]
+    assert "".join(a for _, a in pieces) == chat.split_reasoning("<<</think> \n4 2")[1] == "4 2"
+
+
 def test_split_reasoning():
     assert chat.split_reasoning("plan </think>\n\n42") == ("plan ", "42")
     assert chat.split_reasoning("still thinking") == ("still thinking", "")

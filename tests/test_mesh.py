@@ -113,8 +113,8 @@ ENGINE = textwrap.dedent("""
     def run(mesh, loop="unrolled"):
         model = load_model("tiny-mbd", mesh=mesh, runtime={"layer_loop": loop})
         engine = Engine(model.cfg, model.params, batch_size=4, buffer_size=2, prefill_chunk=16,
-                        mesh=mesh)  # prefill buckets 4, 8, 16: the prompts need no more
-        engine.warmup()
+                        mesh=mesh)
+        engine.warmup(buckets=engine.prefill_buckets_for(prompts))  # what the prompts run
         first = [r.token_ids for r in engine.generate(prompts, decode)]
         c0 = compile_stats.compiles()
         again = [r.token_ids for r in engine.generate(prompts[::-1], decode)][::-1]

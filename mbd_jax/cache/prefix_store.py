@@ -4,7 +4,9 @@
 
 so a key names a block *and everything before it*: two prompts share block i's entry only when
 their first (i+1)*blk tokens are equal, which is exactly when the exact KV is equal. An entry is
-one block's K and V for every layer, `[num_layers, 2, blk, K, Dh]`.
+one block's cache entries as one array whose shape and dtype the model's cache names
+(`entry_shape`, model/kv_cache.py; the engine passes them to `expect`): the store never looks
+inside.
 
 Two tiers. RAM: a byte-capped LRU. Disk (`storage_path`): one file per key written atomically
 (temp file + rename), a byte cap (oldest files go first) and a TTL; it survives restarts. The

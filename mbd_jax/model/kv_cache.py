@@ -153,9 +153,9 @@ class KVCache:
 
     def write(self, layer, k_new: jax.Array, v_new: jax.Array, meta: ForwardMeta) -> KVCache:
         """k_new[b], v_new[b] ([B, T, K, Dh]) go to positions [write_offset[b], + T) of row b in
-        `layer`, for the rows meta.write selects; the others keep what they had there. The caller
-        guarantees write_offset + T <= S_max (dynamic_update_slice would clamp and silently
-        overwrite earlier positions otherwise: capacity_for leaves the room)."""
+        `layer`, for the rows meta.write selects; the others keep what they had there. Positions
+        past S_max are dropped, never clamped onto earlier ones (capacity_for leaves room for
+        every real write)."""
         offset, keep = meta.write_offset, ~meta.write
         if self.stacked:
             return KVCache(k=_write_stacked(self.k, layer, k_new, offset, keep),
@@ -167,22 +167,24 @@ class KVCache:
 
 
 def _write_rows(buf: jax.Array, new: jax.Array, offset: jax.Array, keep: jax.Array) -> jax.Array:
-    """buf: [B, S, K, Dh]; new: [B, T, K, Dh]; offset, keep: [B]."""
-    def one(row_buf, row_new, off, kept):
-        old = jax.lax.dynamic_slice(row_buf, (off, 0, 0), row_new.shape)
-        new = jnp.where(kept, old, row_new.astype(row_buf.dtype))
-        return jax.lax.dynamic_update_slice(row_buf, new, (off, 0, 0))
-
-    return jax.vmap(one)(buf, new, offset, keep)
+    """buf: [B, S, K, Dh]; new: [B, T, K, Dh]; offset, keep: [B]. One scatter: a kept row's
+    positions point past the end, where mode="drop" discards them (no read of the old entries,
+    which would make XLA copy the buffer to keep it for the read)."""
+    b, t = new.shape[:2]
+    pos = _positions(offset, keep, t, buf.shape[1])
+    return buf.at[jnp.arange(b)[:, None], pos].set(new.astype(buf.dtype), mode="drop")
 
 
 def _write_stacked(buf: jax.Array, layer, new: jax.Array, offset: jax.Array,
                    keep: jax.Array) -> jax.Array:
     """buf: [L, B, S, K, Dh]; new: [B, T, K, Dh]; offset, keep: [B]."""
-    def one(row_buf, row_new, off, kept):  # row_buf: [L, S, K, Dh]; row_new: [T, K, Dh]
-        at = (layer, off, 0, 0)
-        old = jax.lax.dynamic_slice(row_buf, at, (1,) + row_new.shape)
-        new = jnp.where(kept, old, row_new[None].astype(row_buf.dtype))
-        return jax.lax.dynamic_update_slice(row_buf, new, at)
+    b, t = new.shape[:2]
+    pos = _positions(offset, keep, t, buf.shape[2])
+    return buf.at[layer, jnp.arange(b)[:, None], pos].set(new.astype(buf.dtype), mode="drop")
 
-    return jax.vmap(one, in_axes=(1, 0, 0, 0), out_axes=1)(buf, new, offset, keep)
+
+def _positions(offset: jax.Array, keep: jax.Array, t: int, capacity: int) -> jax.Array:
+    """[B, T] buffer positions of each row's T new entries; `capacity` (out of range: dropped)
+    for the rows that keep what they have."""
+    pos = offset[:, None] + jnp.arange(t, dtype=offset.dtype)[None, :]
+    return jnp.where(keep[:, None], capacity, pos)

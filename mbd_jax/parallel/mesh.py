@@ -91,10 +91,10 @@ def spec_for(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh
 
 def param_shardings(cfg: ModelConfig, mesh: Mesh) -> Any:
     """A tree of NamedShardings shaped like the parameters."""
-    from mbd_jax.model.transformer import init_params, param_logical_axes
+    from mbd_jax.model.transformer import param_logical_axes, param_shapes
 
     logical = param_logical_axes(cfg)
-    shapes = jax.eval_shape(lambda: init_params(cfg))
+    shapes = param_shapes(cfg)
     return jax.tree.map(lambda spec, s: NamedSharding(mesh, spec_for(tuple(spec), s.shape, mesh)),
                         logical, shapes, is_leaf=lambda x: isinstance(x, P))
 
@@ -124,8 +124,8 @@ def abstract_params(cfg: ModelConfig, mesh: Mesh) -> Any:
     """ShapeDtypeStructs of the parameters (in `cfg`'s runtime layout) carrying their shardings:
     a restore target that reads each device's shard straight into place (orbax), with no full
     host copy."""
-    from mbd_jax.model.transformer import init_params
+    from mbd_jax.model.transformer import param_shapes
 
-    shapes = jax.eval_shape(lambda: init_params(cfg))
+    shapes = param_shapes(cfg)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, param_shardings(cfg, mesh))
