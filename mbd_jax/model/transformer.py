@@ -30,9 +30,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from mbd_jax.config import ModelConfig
+from mbd_jax.model import layers, layout, moe
 from mbd_jax.model.forward_meta import ForwardMeta
 from mbd_jax.model.kv_cache import KVCache
-from mbd_jax.model import layers, layout, moe
 from mbd_jax.parallel.expert import sharded_experts
 
 
@@ -41,12 +41,13 @@ class _Normal(nn.LogicallyPartitioned):
     init_params draws every such parameter of one shape in one random call."""
 
 
+_NORMAL = object()  # the initializer of weight matrices: N(0, init_std^2), drawn by init_params
+
+
 def _normal(cfg: ModelConfig):
-    """The initializer of weight matrices: N(0, cfg.init_std^2), drawn by init_params."""
+    """The initializer of weight matrices (cfg.init_std is applied by init_params)."""
+    del cfg
     return _NORMAL
-
-
-_NORMAL = object()
 
 
 def _param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
@@ -67,9 +68,9 @@ def _draw_normals(boxed: Any, key: jax.Array, std: float, flat: bool) -> Any:
     XLA's CPU compiler spends 0.3-1 s per random call (10 s for the 3-layer tiny preset drawn per
     parameter), so grouping cuts init's compile time about 3x (the draws no longer grow with
     depth; the rest of init still does). `flat` draws each group as one 1-D array (cheaper still
-    to compile) and reshapes it: the values are
-    the same (threefry counters run over the flattened index), but a 1-D draw cannot be split the
-    way the parameters are sharded, so a multi-device mesh draws the [n, *shape] form."""
+    to compile) and reshapes it: the values are the same (threefry counters run over the
+    flattened index), but a 1-D draw cannot be split the way the parameters are sharded, so a
+    multi-device mesh draws the [n, *shape] form."""
     is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)  # noqa: E731
     leaves, tree = jax.tree.flatten(boxed, is_leaf=is_box)
     groups: dict[tuple, list[int]] = {}
