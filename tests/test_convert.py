@@ -97,9 +97,9 @@ def torch_decode(model, prompt: list[int], max_new: int, threshold: float = 0.95
 
 def ours_logits(loaded, ids: list[int]) -> np.ndarray:
     pos = jnp.arange(len(ids))[None]
-    logits, _ = Transformer(loaded.cfg).apply({"params": loaded.params}, jnp.asarray([ids]),
-                                              ForwardMeta.explicit(pos, block_causal_mask(pos, BLOCK)))
-    return np.asarray(logits[0])
+    forward = jax.jit(lambda p, t: Transformer(loaded.cfg).apply(  # compiled: op by op is slower
+        {"params": p}, t, ForwardMeta.explicit(pos, block_causal_mask(pos, BLOCK)))[0])
+    return np.asarray(forward(loaded.params, jnp.asarray([ids]))[0])
 
 
 @pytest.mark.parametrize("kind,save", [

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from mbd_jax.checkpoint import load_model, save_model
 from mbd_jax.config import DecodeConfig
@@ -59,14 +60,16 @@ def test_scanned_forward_equals_unrolled_on_both_paths(cfg):
     tokens = jnp.asarray(rng.integers(5, cfg.vocab_size, (2, 24)), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(24, dtype=jnp.int32), (2, 24))
     mask = block_causal_mask(pos, cfg.block_size)
-    fwd = lambda c, p: Transformer(c).apply({"params": p}, tokens,  # noqa: E731
-                                            ForwardMeta.explicit(pos, mask))[0]
+    fwd = jax.jit(lambda c, p: Transformer(c).apply({"params": p}, tokens,
+                                                    ForwardMeta.explicit(pos, mask))[0],
+                  static_argnums=0)  # compiled, not op by op (which costs far more here)
     ref = np.asarray(fwd(unrolled, pu))
     np.testing.assert_allclose(np.asarray(fwd(scanned, ps)), ref, atol=TOL)
     # Buffer path: both write the same KV, and their logits equal the full-sequence ones.
     meta = ForwardMeta.cached(pos, jnp.zeros(2, jnp.int32), jnp.full(2, 24, jnp.int32))
-    out = [Transformer(c).apply({"params": p}, tokens, meta, cache_type(c).allocate(c, 2, 256))
-           for c, p in ((unrolled, pu), (scanned, ps))]
+    cached = jax.jit(lambda c, p: Transformer(c).apply(
+        {"params": p}, tokens, meta, cache_type(c).allocate(c, 2, 256)), static_argnums=0)
+    out = [cached(c, p) for c, p in ((unrolled, pu), (scanned, ps))]
     for logits, _ in out:
         np.testing.assert_allclose(np.asarray(logits), ref, atol=TOL)
     np.testing.assert_allclose(np.asarray(out[1][1].k), np.asarray(out[0][1].k), atol=TOL)
@@ -130,3 +133,18 @@ def test_scanned_program_size_is_flat_in_depth(loop):
         assert ratio < 1.05, ratio
     else:
         assert ratio > 3.0, ratio
+
+
+@pytest.mark.parametrize("loop", ["unrolled", "scan"])
+def test_param_shapes_are_what_init_params_returns(loop):
+    """The abstract parameters the loader restores into and shards by (one abstract init of the
+    runtime model) have init_params' tree, shapes and dtypes in either layout."""
+    from mbd_jax.model.transformer import param_logical_axes, param_shapes
+
+    cfg = tiny_cfg(layer_loop=loop)
+    want, got = jax.eval_shape(lambda: init_params(cfg)), param_shapes(cfg)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    assert [(g.shape, g.dtype) for g in jax.tree.leaves(got)] == [
+        (w.shape, w.dtype) for w in jax.tree.leaves(want)]
+    axes = jax.tree.leaves(param_logical_axes(cfg), is_leaf=lambda x: isinstance(x, P))
+    assert [len(a) for a in axes] == [len(w.shape) for w in jax.tree.leaves(want)]

@@ -60,8 +60,9 @@ FORWARD = textwrap.dedent("""
             sharded = jax.device_put(params, meshlib.param_shardings(cfg, m))
             fwd = jax.jit(lambda p, t, q: Transformer(cfg, m).apply(
                 {"params": p}, t, ForwardMeta.explicit(q, meta.mask))[0])
-            got = np.asarray(fwd(sharded, tokens, pos))
-            hlo = fwd.lower(sharded, tokens, pos).compile().as_text()
+            compiled = fwd.lower(sharded, tokens, pos).compile()  # compiled once: run and read
+            got = np.asarray(compiled(sharded, tokens, pos))
+            hlo = compiled.as_text()
             # per-layer shapes (a scanned run stacks its layers on a leading axis)
             experts = (sharded.get("layer_1") or sharded["layers_1_3"])["moe"]["experts_up"]
             q = (sharded.get("layer_0") or sharded["layers_0_1"])["attn"]["q_proj"]

@@ -85,8 +85,9 @@ def test_two_process_service_answers_like_offline(tmp_path):
             env=dict(os.environ, **TWO_DEVICES))
         sections = {"model": "tiny-mbd", "cache": {"enabled": False}}
         srv = Server(tmp_path, [KEY], sections=sections,
-                     args=("--mesh", "expert=2,tensor=2", *launch_flags(port, 0)), env=TWO_DEVICES,
-                     prefill_chunk=16)  # 3 prefill buckets to compile: the prompts need one
+                     args=("--mesh", "expert=2,tensor=2", *launch_flags(port, 0)),
+                     env=dict(TWO_DEVICES, MBD_HEARTBEAT_S="2"),
+                     prefill_chunk=8)  # 2 prefill buckets to compile; a prompt may take 2 chunks
         try:
             m = load_model("tiny-mbd")
             engine = Engine(m.cfg, m.params, batch_size=8, buffer_size=2, prefill_chunk=64,
@@ -101,7 +102,7 @@ def test_two_process_service_answers_like_offline(tmp_path):
                     assert r.status_code == 200, r.text
                     assert r.json()["choices"][0]["text"] == w.text
                     assert r.json()["usage"]["completion_tokens"] == len(w.token_ids)
-            time.sleep(12)  # idle past a heartbeat; the service still answers after it
+            time.sleep(5)  # idle past two heartbeats; the service still answers after them
             r = httpx.post(srv.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                            json={"model": "tiny-mbd", "prompt": prompts[0], "max_tokens": 20},
                            timeout=120)

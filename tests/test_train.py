@@ -20,7 +20,7 @@ import pytest
 from mbd_jax.checkpoint import load_model
 from mbd_jax.model.transformer import init_params
 from mbd_jax.train.config import TrainConfig
-from mbd_jax.train.trainer import Trainer, batch_for_step
+from mbd_jax.train.trainer import Trainer, balance_experts, batch_for_step
 from tests.conftest import run_on_8_cpu_devices
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -216,19 +216,18 @@ def test_expert_bias_balances_a_router_skewed_to_one_expert(loop):
         lambda path, p: p.at[..., 0].set(2.0) if getattr(path[-1], "key", "") == "expert_bias"
         else p, init_params(cfg))
 
-    def biases(trainer):
-        return [np.asarray(p) for path, p in
-                jax.tree_util.tree_flatten_with_path(trainer.state["params"])[0]
+    def biases(params):
+        return [np.asarray(p) for path, p in jax.tree_util.tree_flatten_with_path(params)[0]
                 if getattr(path[-1], "key", "") == "expert_bias"]
 
     rate = 0.25
     trainer = Trainer(tcfg(learning_rate=1e-6, expert_bias_rate=rate), cfg, skew, tok)
-    before = biases(trainer)
+    before = biases(trainer.state["params"])
     assert before and all(b[..., 0].min() == 2.0 for b in before)
     first = trainer.train_step()
     e, k = cfg.num_experts, cfg.num_experts_per_tok
     assert first["max_load"] == pytest.approx(e / k)  # expert 0 took every token
-    for b0, b1 in zip(before, biases(trainer)):
+    for b0, b1 in zip(before, biases(trainer.state["params"])):
         step = b1 - b0
         np.testing.assert_allclose(step[..., 0], -rate)  # the busiest expert's bias goes down
         assert np.all(np.isclose(np.abs(step), rate) | (step == 0)), step
@@ -236,7 +235,17 @@ def test_expert_bias_balances_a_router_skewed_to_one_expert(loop):
     history = [trainer.train_step()["max_load"] for _ in range(8)]
     assert history[-1] < 0.6 * first["max_load"], history
 
-    frozen = Trainer(tcfg(learning_rate=1e-6, expert_bias_rate=0.0), cfg, skew, tok)
-    frozen.train_step()
+    # Rate 0 (balance_experts is train_step's last move, after the optimizer's): the biases stay
+    # where they were under uneven loads (a second compiled step would only repeat the above).
+    def uneven_loads(tree):  # an `expert_load` beside every `expert_bias`, as the layers sow
+        out = {k: uneven_loads(v) for k, v in tree.items() if isinstance(v, dict)}
+        if "expert_bias" in tree:
+            bias = tree["expert_bias"]
+            out["expert_load"] = np.broadcast_to(np.arange(bias.shape[-1], dtype=np.float32),
+                                                 bias.shape)
+        return out
+
+    assert balance_experts(skew, uneven_loads(skew), rate) is not skew  # the loads are read
+    frozen = balance_experts(skew, uneven_loads(skew), 0.0)
     for b0, b1 in zip(before, biases(frozen)):
         np.testing.assert_array_equal(b1, b0)

@@ -20,6 +20,7 @@ KV-buffer shardings (parallel/mesh.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -260,24 +261,35 @@ def init_params(cfg: ModelConfig, seed: int | None = None, mesh: Mesh | None = N
     return jax.jit(init, out_shardings=shardings)(key)
 
 
-@functools.cache
+def _layout_key(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` with its layer loop resolved: configs that differ only in how the loop is named
+    ("auto" or the loop it stands for) share one parameter layout, hence one cache entry below."""
+    return dataclasses.replace(cfg, layer_loop=layout.resolve_loop(cfg.layer_loop))
+
+
 def param_shapes(cfg: ModelConfig) -> Any:
-    """ShapeDtypeStructs of `cfg`'s parameters in its runtime layout. Cached per config: tracing
-    init traces the whole model (about a second for a 4-layer one), and loading a model, its
-    shardings and its restore target all ask. Shared: do not mutate the tree."""
-    return jax.eval_shape(lambda: init_params(cfg))
+    """ShapeDtypeStructs of `cfg`'s parameters in its runtime layout (what init_params returns).
+    Shared: do not mutate the tree."""
+    return _abstract_params(_layout_key(cfg))[0]
+
+
+def param_logical_axes(cfg: ModelConfig) -> Any:
+    """The logical axis names of every parameter (a tree shaped like the params). Shared: do not
+    mutate the tree."""
+    return _abstract_params(_layout_key(cfg))[1]
 
 
 @functools.cache
-def param_logical_axes(cfg: ModelConfig) -> Any:
-    """The logical axis names of every parameter (a tree shaped like the params; cached per
-    config, shared: do not mutate)."""
+def _abstract_params(cfg: ModelConfig) -> tuple[Any, Any]:
+    """(shapes, logical axes) of `cfg`'s runtime parameters from one abstract init of the model in
+    its runtime layout. Cached per layout: a trace of init traces the whole model (about half a
+    second for a 4-layer one), and loading a model, its shardings and its restore target ask."""
     model = Transformer(cfg)
     tokens = jnp.zeros((1, cfg.block_size), jnp.int32)
     mask = jnp.ones((1, cfg.block_size, cfg.block_size), bool)
-    abstract = jax.eval_shape(lambda k: model.init(k, tokens, ForwardMeta.explicit(tokens, mask)),
-                              jax.random.PRNGKey(0))
-    return nn.get_partition_spec(abstract["params"])
+    boxed = jax.eval_shape(lambda k: model.init(k, tokens, ForwardMeta.explicit(tokens, mask)),
+                           jax.random.PRNGKey(0))["params"]
+    return nn.meta.unbox(boxed), nn.get_partition_spec(boxed)
 
 
 def cache_type(cfg: ModelConfig) -> type[KVCache]:

@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 ENV = {"coordinator": "MBD_COORDINATOR", "num_processes": "MBD_NUM_PROCESSES",
        "process_id": "MBD_PROCESS_ID"}
-HEARTBEAT_S = 10.0  # an idle leader pings the followers this often (they wait in a collective)
+# An idle leader pings the followers this often (they wait in a collective); env MBD_HEARTBEAT_S.
+HEARTBEAT_S = float(os.environ.get("MBD_HEARTBEAT_S", "10"))
 
 
 def add_launch_flags(p: argparse.ArgumentParser) -> None:
