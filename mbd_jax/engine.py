@@ -75,6 +75,13 @@ class GenerationResult:
         return d
 
 
+# A prefill chunk of at least this many tokens per row runs over its own cache row ([1, T]); the
+# shorter ones of an admission share one call over every row ([B, T], the rows not being
+# prefilled store nothing). Past a few dozen tokens a row reuses each weight enough on its own,
+# and one long prompt no longer costs the whole batch's compute (docs/performance.md).
+ROW_PREFILL_MIN = 64
+
+
 def prefill_buckets(block_size: int, prefill_chunk: int) -> list[int]:
     """Prefill token counts that get compiled: block_size * 2^k, up to prefill_chunk."""
     sizes, t = [], block_size
@@ -90,6 +97,16 @@ class PrefixHit:
 
     tokens: int  # prompt positions [0, tokens) are covered
     chunks: list[tuple[int, jax.Array]]  # (start, [L, 2, T, K, Dh]) with T a prefill bucket
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillCall:
+    """One compiled prefill call: `tokens` positions of cache row `row` alone ([1, T]), or, with
+    `row` None, of every cache row ([B, T]) where the `rows` mask stores."""
+
+    tokens: int  # T, a prefill bucket
+    row: int | None = None
+    rows: np.ndarray | None = None  # [B] bool, the shared call's rows
 
 
 @dataclasses.dataclass
@@ -116,7 +133,7 @@ class Engine:
                  prefill_chunk: int = 256, steps_per_call: int = 64, debug: bool = False,
                  tokenizer: Tokenizer | None = None, record_steps: int = 0, record_len: int = 0,
                  prefix_store: PrefixStore | None = None, offload_blocks_per_call: int = 64,
-                 mesh: jax.sharding.Mesh | None = None):
+                 mesh: jax.sharding.Mesh | None = None, row_prefill_min: int = ROW_PREFILL_MIN):
         """batch_size rows decode together; buffer_size is the compiled N_buf (requests may use
         less); with `debug`, every decode step checks the Block Buffer invariants and a broken
         one raises (slower: the check scans each row's canvas). With a tokenizer, results carry
@@ -124,7 +141,8 @@ class Engine:
         record_len generated positions (the last record_steps steps), which voting needs.
         With a prefix store, admitted prompts reuse stored leading blocks and committed blocks
         are persisted after every decode call (double-buffered, cache/offload.py). `mesh`: the
-        devices to run on (default: the first device)."""
+        devices to run on (default: the first device). `row_prefill_min`: prefill chunks of at
+        least this many tokens run one row at a time (ROW_PREFILL_MIN)."""
         if prefill_chunk < cfg.block_size or prefill_chunk % cfg.block_size:
             raise UserError(f"prefill_chunk ({prefill_chunk}) must be a positive multiple of "
                             f"block_size ({cfg.block_size})")
@@ -141,6 +159,7 @@ class Engine:
         self.buffer_size = buffer_size
         self.prefill_chunk = min(prefill_chunk, cfg.max_seq_len)
         self.steps_per_call = steps_per_call
+        self.row_prefill_min = row_prefill_min
         self.debug = debug
         self.tokenizer = tokenizer
         self.record = (record_steps, record_len) if record_steps > 0 and record_len > 0 else (0, 0)
@@ -285,25 +304,38 @@ class Engine:
         return next(t for t in prefill_buckets(self.cfg.block_size, self.prefill_chunk)
                     if t >= min(tokens, self.prefill_chunk))
 
-    def _next_chunk(self, full_len: np.ndarray, start: np.ndarray, rows: np.ndarray
-                    ) -> tuple[np.ndarray, int, np.ndarray]:
-        """The next prefill chunk of an admission: the rows with prompt blocks left, its length T
-        (the smallest bucket covering the most any row has left, at most prefill_chunk), and
-        each row's start after it."""
-        todo = rows & (full_len > start)
-        t = self._bucket(int(np.max(np.where(todo, full_len - start, 0))))
-        return todo, t, np.where(todo, np.minimum(start + t, full_len), start)
+    def _next_round(self, full_len: np.ndarray, start: np.ndarray, rows: np.ndarray
+                    ) -> tuple[list[PrefillCall], np.ndarray]:
+        """The prefill calls of an admission's next chunk and each row's start after them. A row
+        with prompt blocks left takes its next chunk in the smallest bucket that covers what it
+        has left (at most prefill_chunk): a call of its own from row_prefill_min tokens, else the
+        shared call, as long as the most any sharing row has left."""
+        left = np.where(rows, full_len - start, 0)
+        bucket = np.array([self._bucket(int(n)) if n > 0 else 0 for n in left])
+        own = bucket >= self.row_prefill_min
+        shared = (bucket > 0) & ~own
+        calls = [PrefillCall(int(bucket[i]), row=int(i)) for i in np.nonzero(own)[0]]
+        if shared.any():
+            calls.insert(0, PrefillCall(int(bucket[shared].max()), rows=shared))
+            bucket = np.where(shared, bucket[shared].max(), bucket)
+        return calls, start + np.minimum(bucket, left).astype(np.int32)
 
-    def _prefill_chunk(self, prompts: list[np.ndarray], full_len: np.ndarray, todo: np.ndarray,
-                       start: np.ndarray, t: int) -> None:
-        """Writes the KV of prompt positions [start, start + t) of each `todo` row."""
-        tokens = np.full((self.batch_size, t), self.cfg.pad_token_id, np.int32)
-        for i, p in enumerate(prompts):
-            seg = p[start[i]: min(start[i] + t, full_len[i])]
-            tokens[i, : len(seg)] = seg
+    def _prefill_call(self, prompts: list[np.ndarray], full_len: np.ndarray, start: np.ndarray,
+                      call: PrefillCall) -> None:
+        """Writes the KV of prompt positions [start, start + T) of the call's rows."""
+        if call.row is None:  # every cache row in order; the call's rows store
+            rows, write, table = np.arange(self.batch_size), call.rows, None
+        else:
+            rows, write = np.array([call.row]), np.ones(1, bool)
+            table = self._put(rows.astype(np.int32))
+        tokens = np.full((len(rows), call.tokens), self.cfg.pad_token_id, np.int32)
+        for j, i in enumerate(rows):
+            if write[j]:
+                seg = prompts[i][start[i]: min(start[i] + call.tokens, full_len[i])]
+                tokens[j, : len(seg)] = seg
         self.kv = self._prefill(self.params, self.kv, self._put(tokens),
-                                self._put(start.astype(np.int32)), self._put(full_len),
-                                self._put(todo))
+                                self._put(start[rows].astype(np.int32)), self._put(full_len[rows]),
+                                self._put(write), table)
 
     # ---------------------------------------------------------------- public API
     def generate(self, prompts: Sequence[Sequence[int]],
@@ -488,11 +520,12 @@ class Engine:
         return tokens
 
     def prefill_step(self, adm: Admission) -> bool:
-        """One prefill chunk of an admission; True once all its prompt blocks are written."""
-        todo, t, after = self._next_chunk(adm.full_len, adm.start, adm.rows)
-        if todo.any():
-            self._prefill_chunk(adm.prompts, adm.full_len, todo, adm.start, t)
-            adm.start = after
+        """The next prefill chunk of every admitted row with prompt blocks left; True once all
+        its prompt blocks are written."""
+        calls, after = self._next_round(adm.full_len, adm.start, adm.rows)
+        for call in calls:
+            self._prefill_call(adm.prompts, adm.full_len, adm.start, call)
+        adm.start = after
         return not (adm.rows & (adm.full_len > adm.start)).any()
 
     def finish_admit(self, state: DecodeState, adm: Admission) -> DecodeState:
@@ -537,10 +570,14 @@ class Engine:
             batch = [np.asarray(p) for p in prompts[s: s + self.batch_size]]
             rows = np.ones(len(batch), bool)
             full, start = self._full_len(batch, rows), np.zeros(len(batch), np.int32)
-            while (full > start).any():  # the chunks prefill_step runs
-                _, t, start = self._next_chunk(full, start, rows)
-                used.add(t)
+            while (full > start).any():  # the calls prefill_step makes
+                calls, start = self._next_round(full, start, rows)
+                used.update(call.tokens for call in calls)
         return sorted(used)
+
+    def _warm_call(self, t: int, rows: np.ndarray) -> PrefillCall:
+        """The call a `t`-token chunk makes (its program): row 0 alone, or the shared one."""
+        return PrefillCall(t, row=0) if t >= self.row_prefill_min else PrefillCall(t, rows=rows)
 
     def warmup(self, progress: Callable[[str], None] | None = None,
                buckets: Sequence[int] | None = None) -> None:
@@ -551,12 +588,12 @@ class Engine:
         t_start = time.perf_counter()
         blk = self.cfg.block_size
         b = self.batch_size
-        zeros = self._put(np.zeros(b, np.int32))
+        zeros_b = np.zeros(b, np.int32)
         buckets = prefill_buckets(blk, self.prefill_chunk) if buckets is None else list(buckets)
         for i, t in enumerate(buckets):
             say(f"compiling prefill of {t} tokens ({i + 1}/{len(buckets)})")
-            self.kv = self._prefill(self.params, self.kv, self._put(np.zeros((b, t), np.int32)),
-                                    zeros, zeros, self._put(np.zeros(b, bool)))
+            self._prefill_call(self._blank_rows()[0], zeros_b, zeros_b,
+                               self._warm_call(t, np.zeros(b, bool)))  # pads, no request yet
             if self.offloader is not None:  # loading t cached tokens into a row (row 0: free)
                 entries = np.zeros(self.cache.entry_shape(self.cfg, t), self.kv.dtype)
                 self.kv = self._load(self.kv, self._put(entries), np.int32(0), np.int32(0))
@@ -564,11 +601,11 @@ class Engine:
             self.offloader.warmup(self.kv)
             # what a prefill token costs, for the "time saved" metric: the largest bucket, all rows
             t0 = time.perf_counter()
-            self.kv = self._prefill(self.params, self.kv,
-                                    self._put(np.zeros((b, self.prefill_chunk), np.int32)),
-                                    zeros, zeros, self._put(np.ones(b, bool)))
+            call = self._warm_call(self.prefill_chunk, np.ones(b, bool))
+            self._prefill_call(self._blank_rows()[0], zeros_b, zeros_b, call)
             jax.block_until_ready(self.kv)
-            self.prefill_seconds_per_token = (time.perf_counter() - t0) / (b * self.prefill_chunk)
+            rows = 1 if call.row is not None else b
+            self.prefill_seconds_per_token = (time.perf_counter() - t0) / (rows * self.prefill_chunk)
         say(f"compiling the decode loop ({b} rows, N_buf {self.buffer_size})")
         prompt = np.array([self.cfg.pad_token_id], np.int32)
         state = self.admit(self.empty_state(), {0: (prompt, DecodeConfig(max_new_tokens=1))})

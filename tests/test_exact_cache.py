@@ -14,14 +14,17 @@ from tests.conftest import tiny_cfg, tiny_params
 TOL = 1e-5  # float32; the two paths differ only in summation order
 
 
-@pytest.mark.parametrize("router,attention,moe_impl", [
-    ("sigmoid_grouped", "chunked", "dense"),
-    ("softmax_topk", "chunked", "ragged"),
-    ("sigmoid_grouped", "dense", "ragged"),
+# row_prefill_min 8: prompt chunks of 8 or 16 tokens run over their own cache row, the 4-token
+# ones share a call over all rows (both kinds in one admission); 64: every chunk is shared.
+@pytest.mark.parametrize("router,attention,moe_impl,loop,row_prefill_min", [
+    ("sigmoid_grouped", "chunked", "dense", "unrolled", 8),
+    ("softmax_topk", "chunked", "ragged", "unrolled", 64),
+    ("sigmoid_grouped", "dense", "ragged", "unrolled", 8),
+    ("softmax_topk", "chunked", "dense", "scan", 8),
 ])
-def test_buffer_path_equals_full_forward(router, attention, moe_impl):
-    cfg = tiny_cfg(router=router, attention_impl=attention, moe_impl=moe_impl)
-    params = tiny_params(router=router, attention_impl=attention, moe_impl=moe_impl)
+def test_buffer_path_equals_full_forward(router, attention, moe_impl, loop, row_prefill_min):
+    overrides = dict(router=router, attention_impl=attention, moe_impl=moe_impl, layer_loop=loop)
+    cfg, params = tiny_cfg(**overrides), tiny_params(**overrides)
     if router == "sigmoid_grouped":  # make the selection-only bias matter
         params = jax.tree.map(lambda x: x, params)
         for name, layer in params.items():
@@ -44,7 +47,7 @@ def test_buffer_path_equals_full_forward(router, attention, moe_impl):
                     ForwardMeta.explicit(pos, block_causal_mask(pos, blk)))
 
     # Buffer path: the engine's prefill writes each row's full prompt blocks ...
-    engine = Engine(cfg, params, batch_size=b, prefill_chunk=16)
+    engine = Engine(cfg, params, batch_size=b, prefill_chunk=16, row_prefill_min=row_prefill_min)
     engine.admit(engine.empty_state(), {i: (seqs[i, :n], DecodeConfig()) for i, n in enumerate(prompt_lens)})
     kv = engine.kv
     # ... then block after block, each row at its own offset, through the same forward.
@@ -65,18 +68,22 @@ def test_buffer_path_equals_full_forward(router, attention, moe_impl):
 
 def test_stored_kv_equals_full_forward_kv(cfg, params):
     """The K/V written by prefill at each position equal those of a forward over the same tokens
-    written in one go (the buffer holds exactly the clean prefix)."""
+    written in one go (the buffer holds exactly the clean prefix), whether a chunk's call covers
+    every row or one row at a time; a row-at-a-time prefill leaves the other rows' entries be."""
     blk = cfg.block_size
     b, n = 2, 5 * blk
     rng = np.random.default_rng(1)
-    seqs = rng.integers(5, cfg.vocab_size, (b, n)).astype(np.int32)
+    seqs = rng.integers(5, cfg.vocab_size, (b + 1, n)).astype(np.int32)
     rows = {0: (seqs[0], DecodeConfig()), 1: (seqs[1], DecodeConfig())}
-    one = Engine(cfg, params, batch_size=b, prefill_chunk=8 * blk)
+    one = Engine(cfg, params, batch_size=b, prefill_chunk=8 * blk)  # one call over both rows
     one.admit(one.empty_state(), rows)
-    chunked = Engine(cfg, params, batch_size=b, prefill_chunk=blk)  # 5 prefill calls of 1 block
-    chunked.admit(chunked.empty_state(), rows)
+    # 5 calls of 1 block per row, each over that row alone; row 2 was prefilled before
+    per_row = Engine(cfg, params, batch_size=b + 1, prefill_chunk=blk, row_prefill_min=blk)
+    per_row.admit(per_row.empty_state(), {2: (seqs[2], DecodeConfig())})
+    row_2 = [np.asarray(a[2, :n]) for a in per_row.kv.k + per_row.kv.v]
+    per_row.admit(per_row.empty_state(), rows)
     for layer in range(cfg.num_layers):
-        a = one.kv.k[layer][:, :n]
-        c = chunked.kv.k[layer][:, :n]
-        assert float(jnp.max(jnp.abs(a - c))) <= TOL
-        assert float(jnp.max(jnp.abs(one.kv.v[layer][:, :n] - chunked.kv.v[layer][:, :n]))) <= TOL
+        for a, c in ((one.kv.k[layer], per_row.kv.k[layer]), (one.kv.v[layer], per_row.kv.v[layer])):
+            assert float(jnp.max(jnp.abs(a[:, :n] - c[:b, :n]))) <= TOL
+    for before, after in zip(row_2, per_row.kv.k + per_row.kv.v):
+        np.testing.assert_array_equal(np.asarray(after[2, :n]), before)

@@ -21,18 +21,19 @@ ApplyFn = Callable[..., tuple[jax.Array, Cache]]
 
 
 def prefill(params: Any, kv: Cache, tokens: jax.Array, start: jax.Array, full_len: jax.Array,
-            rows: jax.Array, *, apply_fn: ApplyFn) -> Cache:
-    """Writes the cache entries of prompt positions [start, start + T) of each selected row.
+            write: jax.Array, rows: jax.Array | None = None, *, apply_fn: ApplyFn) -> Cache:
+    """Writes the cache entries of prompt positions [start, start + T) of the selected rows.
 
-    tokens: [B, T]; start: [B] where each row's chunk begins (rows whose first blocks came from
-    the prefix cache start later); full_len: [B] length of each row's full prompt blocks; rows: [B]
-    bool, rows to prefill. The other rows store nothing, so a running row's cache is untouched
-    (this lets the engine admit a request while others decode).
+    tokens: [R, T]; rows: [R] the cache row each belongs to (None: all B cache rows, in order);
+    start: [R] where each row's chunk begins (rows whose first blocks came from the prefix cache
+    start later); full_len: [R] length of each row's full prompt blocks; write: [R] bool, rows to
+    prefill. The others store nothing, so a running row's cache is untouched (this lets the engine
+    admit a request while others decode). With a row table the forward computes only its R rows.
     """
-    b, t = tokens.shape
+    t = tokens.shape[1]
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    visible = jnp.where(rows, jnp.minimum(full_len, start + t), 1).astype(jnp.int32)
-    meta = ForwardMeta.cached(positions, start.astype(jnp.int32), visible, write=rows)
+    visible = jnp.where(write, jnp.minimum(full_len, start + t), 1).astype(jnp.int32)
+    meta = ForwardMeta.cached(positions, start.astype(jnp.int32), visible, write=write, rows=rows)
     _, kv = apply_fn({"params": params}, tokens, meta, kv)
     return kv
 

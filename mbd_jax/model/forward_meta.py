@@ -2,10 +2,12 @@
 
 Two kinds of forward read it:
 
-- over a cache (prefill and decode): each row's T new tokens sit at `positions`, their cache
+- over a cache (prefill and decode): input row b is cache row `rows[b]` (the row table; None:
+  cache row b, every row of the cache in order), its T new tokens sit at `positions`, their cache
   entries go to [write_offset, write_offset + T) for the rows `write` selects (the others leave
   the cache as it was: a free row, a finished one, a row not in this prefill), and attention reads
-  cache positions [0, visible_len) under the block-causal rule;
+  that cache row's positions [0, visible_len) under the block-causal rule. A forward over a few of
+  the cache's rows (one prompt's prefill) computes only those;
 - without a cache (training, the full-sequence reference): the T tokens attend to each other
   under an explicit `mask`.
 
@@ -26,16 +28,18 @@ class ForwardMeta:
     write_offset: jax.Array | None = None  # [B] int32: cache position of row b's first new token
     visible_len: jax.Array | None = None  # [B] int32: cache positions [0, visible_len) are read
     write: jax.Array | None = None  # [B] bool: rows whose new entries the cache stores
+    rows: jax.Array | None = None  # [B] int32: the cache row of each input row (None: row b)
     mask: jax.Array | None = None  # [B, T, T] bool: explicit attention (no cache)
 
     @classmethod
     def cached(cls, positions: jax.Array, write_offset: jax.Array, visible_len: jax.Array,
-               write: jax.Array | None = None) -> ForwardMeta:
-        """A forward over a cache (every row stores its entries unless `write` says otherwise)."""
+               write: jax.Array | None = None, rows: jax.Array | None = None) -> ForwardMeta:
+        """A forward over a cache (every row stores its entries unless `write` says otherwise;
+        input row b is cache row b unless `rows` says which)."""
         if write is None:
             write = jnp.ones(positions.shape[:1], bool)
         return cls(positions=positions, write_offset=write_offset, visible_len=visible_len,
-                   write=write)
+                   write=write, rows=rows)
 
     @classmethod
     def explicit(cls, positions: jax.Array, mask: jax.Array) -> ForwardMeta:

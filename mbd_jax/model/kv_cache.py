@@ -10,8 +10,9 @@ class's interface:
   array (what the prefix store keeps per block); `gather` takes them out of the cache for several
   (row, start) pairs at once, `join` makes one span of consecutive stored ones, `load` puts a
   span into one row;
-- `write(layer, k, v, meta)` and `layer(i)`: what the attention layer does with it, where `meta`
-  (model/forward_meta.py) says where each row's new entries go and which rows store them.
+- `write(layer, k, v, meta)`, `layer(i)` and `rows_span(...)`: what the attention layer does with it,
+  where `meta` (model/forward_meta.py) says which cache row each input row is, where its new
+  entries go and which rows store them.
 
 The buffer comes in one of two forms the model's layer loop picks:
 
@@ -152,35 +153,44 @@ class KVCache:
         return self.k[layer], self.v[layer]
 
     def write(self, layer, k_new: jax.Array, v_new: jax.Array, meta: ForwardMeta) -> KVCache:
-        """k_new[b], v_new[b] ([B, T, K, Dh]) go to positions [write_offset[b], + T) of row b in
-        `layer`, for the rows meta.write selects; the others keep what they had there. Positions
-        past S_max are dropped, never clamped onto earlier ones (capacity_for leaves room for
-        every real write)."""
+        """k_new[b], v_new[b] ([R, T, K, Dh]) go to positions [write_offset[b], + T) of cache row
+        meta.rows[b] (row b without a row table) in `layer`, for the rows meta.write selects; the
+        others keep what they had there. Positions past S_max are dropped, never clamped onto
+        earlier ones (capacity_for leaves room for every real write)."""
         offset, keep = meta.write_offset, ~meta.write
+        rows = meta.rows if meta.rows is not None else jnp.arange(k_new.shape[0])
         if self.stacked:
-            return KVCache(k=_write_stacked(self.k, layer, k_new, offset, keep),
-                           v=_write_stacked(self.v, layer, v_new, offset, keep))
+            return KVCache(k=_write_stacked(self.k, layer, k_new, rows, offset, keep),
+                           v=_write_stacked(self.v, layer, v_new, rows, offset, keep))
         k, v = list(self.k), list(self.v)
-        k[layer] = _write_rows(k[layer], k_new, offset, keep)
-        v[layer] = _write_rows(v[layer], v_new, offset, keep)
+        k[layer] = _write_rows(k[layer], k_new, rows, offset, keep)
+        v[layer] = _write_rows(v[layer], v_new, rows, offset, keep)
         return KVCache(k=tuple(k), v=tuple(v))
 
 
-def _write_rows(buf: jax.Array, new: jax.Array, offset: jax.Array, keep: jax.Array) -> jax.Array:
-    """buf: [B, S, K, Dh]; new: [B, T, K, Dh]; offset, keep: [B]. One scatter: a kept row's
-    positions point past the end, where mode="drop" discards them (no read of the old entries,
-    which would make XLA copy the buffer to keep it for the read)."""
-    b, t = new.shape[:2]
-    pos = _positions(offset, keep, t, buf.shape[1])
-    return buf.at[jnp.arange(b)[:, None], pos].set(new.astype(buf.dtype), mode="drop")
+def rows_span(buf: jax.Array, rows: jax.Array | None, start, length: int) -> jax.Array:
+    """Positions [start, start + length) of one layer's k or v ([B, S, K, Dh]) for the cache rows
+    `rows` ([R]; None: every row): [R, length, K, Dh]. What attention reads per key chunk."""
+    if rows is None:
+        return jax.lax.dynamic_slice_in_dim(buf, start, length, axis=1)
+    size = (1, length) + buf.shape[2:]
+    return jax.vmap(lambda r: jax.lax.dynamic_slice(buf, (r, start, 0, 0), size)[0])(rows)
 
 
-def _write_stacked(buf: jax.Array, layer, new: jax.Array, offset: jax.Array,
+def _write_rows(buf: jax.Array, new: jax.Array, rows: jax.Array, offset: jax.Array,
+                keep: jax.Array) -> jax.Array:
+    """buf: [B, S, K, Dh]; new: [R, T, K, Dh]; rows, offset, keep: [R]. One scatter: a kept
+    row's positions point past the end, where mode="drop" discards them (no read of the old
+    entries, which would make XLA copy the buffer to keep it for the read)."""
+    pos = _positions(offset, keep, new.shape[1], buf.shape[1])
+    return buf.at[rows[:, None], pos].set(new.astype(buf.dtype), mode="drop")
+
+
+def _write_stacked(buf: jax.Array, layer, new: jax.Array, rows: jax.Array, offset: jax.Array,
                    keep: jax.Array) -> jax.Array:
-    """buf: [L, B, S, K, Dh]; new: [B, T, K, Dh]; offset, keep: [B]."""
-    b, t = new.shape[:2]
-    pos = _positions(offset, keep, t, buf.shape[2])
-    return buf.at[layer, jnp.arange(b)[:, None], pos].set(new.astype(buf.dtype), mode="drop")
+    """buf: [L, B, S, K, Dh]; new: [R, T, K, Dh]; rows, offset, keep: [R]."""
+    pos = _positions(offset, keep, new.shape[1], buf.shape[2])
+    return buf.at[layer, rows[:, None], pos].set(new.astype(buf.dtype), mode="drop")
 
 
 def _positions(offset: jax.Array, keep: jax.Array, t: int, capacity: int) -> jax.Array:

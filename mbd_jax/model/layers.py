@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mbd_jax.model.kv_cache import KVCache
+from mbd_jax.model.kv_cache import KVCache, rows_span
 
 NEG_INF = -1e30  # finite "minus infinity": fully masked rows stay finite (no NaN from exp/div)
 
@@ -68,7 +68,8 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
 
 
 def chunked_attention(q: jax.Array, kv: KVCache, layer, q_pos: jax.Array,
-                      visible_len: jax.Array, block_size: int, chunk: int) -> jax.Array:
+                      visible_len: jax.Array, block_size: int, chunk: int,
+                      rows: jax.Array | None = None) -> jax.Array:
     """Block-causal attention over one layer of the KV buffer, reading only the used prefix.
 
     An online-softmax loop over `chunk`-sized key slices; its trip count is
@@ -76,7 +77,8 @@ def chunked_attention(q: jax.Array, kv: KVCache, layer, q_pos: jax.Array,
     not the buffer's size, and one compiled program serves every length.
 
     q: [B, T, H, Dh]; kv: the buffer (capacity % chunk == 0); layer: int, may be traced;
-    q_pos: [B, T]; visible_len: [B]. Returns [B, T, H, Dh].
+    q_pos: [B, T]; visible_len: [B]; rows: [B] the cache row of each query row (None: row b).
+    Returns [B, T, H, Dh].
     """
     b, t, h, dh = q.shape
     s_max, kh = kv.capacity, kv.kv_heads
@@ -94,8 +96,8 @@ def chunked_attention(q: jax.Array, kv: KVCache, layer, q_pos: jax.Array,
     def body(i, carry):
         m, l, acc = carry  # m, l: [B, K, G, T]; acc: [B, K, G, T, Dh]
         start = i * chunk
-        ks = jax.lax.dynamic_slice_in_dim(k_layer, start, chunk, axis=1)  # [B, chunk, K, Dh]
-        vs = jax.lax.dynamic_slice_in_dim(v_layer, start, chunk, axis=1)
+        ks = rows_span(k_layer, rows, start, chunk)  # [B, chunk, K, Dh]
+        vs = rows_span(v_layer, rows, start, chunk)
         mask = block_causal_visible(q_pos, start + jnp.arange(chunk), visible_len, block_size)
         s = jnp.einsum("btkgd,bskd->bkgts", qg, ks.astype(q.dtype),
                        preferred_element_type=jnp.float32) * scale
