@@ -10,7 +10,7 @@ import pytest
 from mbd_jax import compile_stats
 from mbd_jax.config import DecodeConfig
 from mbd_jax.decoding import block_buffer
-from mbd_jax.engine import Engine
+from mbd_jax.engine import Engine, admission
 from mbd_jax.errors import UserError
 
 PROMPTS = [list(range(10, 10 + n)) for n in (3, 8, 13, 20)]  # partial and full prompt blocks
@@ -18,7 +18,9 @@ PROMPTS = [list(range(10, 10 + n)) for n in (3, 8, 13, 20)]  # partial and full 
 
 @pytest.fixture(scope="module")
 def engine4(cfg, params):
-    eng = Engine(cfg, params, batch_size=4, buffer_size=2, prefill_chunk=32)
+    # chunks of 16 and 32 tokens run one row at a time, 8-token ones share a call: the batch and
+    # warm-engine tests below cover both kinds (the one-row engines they compare with share)
+    eng = Engine(cfg, params, batch_size=4, buffer_size=2, prefill_chunk=32, row_prefill_min=16)
     eng.warmup()
     return eng
 
@@ -48,6 +50,22 @@ def test_warm_engine_compiles_nothing_new(engine4):
         DecodeConfig(max_new_tokens=30, policy="fixed_steps", steps_per_block=2, buffer_size=2),
     ])
     assert compile_stats.compiles() - before == 0
+
+
+def test_prefill_rounds_give_long_chunks_a_call_of_their_own():
+    """Block 4, prefill_chunk 32, row_prefill_min 16: rows with 4 and 8 tokens left share one
+    8-token call; 20 and 70 tokens left take a 32-token call each; rows done or not admitted
+    make none. Each row advances by what it had left, at most its call's length."""
+    bucket_of = lambda n: admission.bucket(n, 4, 32)  # noqa: E731
+    full = np.array([8, 8, 24, 80, 40, 0], np.int32)
+    start = np.array([8, 4, 4, 10, 32, 0], np.int32)
+    rows = np.array([True, True, True, True, True, False])
+    left = [0, 4, 20, 70, 8, 0]
+    assert [bucket_of(n) for n in left[1:5]] == [4, 32, 32, 8]
+    calls, after = admission.next_round(full, start, rows, bucket_of, 16)
+    assert [(c.tokens, c.row) for c in calls] == [(8, None), (32, 2), (32, 3)]
+    assert calls[0].rows.tolist() == [False, True, False, False, True, False]
+    assert after.tolist() == [8, 8, 24, 42, 40, 0]
 
 
 def test_a_one_shot_warmup_compiles_exactly_what_its_prompts_run(cfg, params):

@@ -2,7 +2,10 @@
 
 It owns the parameters, the preallocated KV buffer (B rows x S_cap positions) and the compiled
 programs (one decode loop, one prefill per length bucket), and turns token-id prompts into
-results. Shapes are static per engine: nothing compiles after `warmup()`.
+results. Shapes are static per engine: nothing compiles after `warmup()`. What it runs is
+planned and read elsewhere in this package: admission.py (prefill calls, the rows' settings),
+results.py (a finished row's result and vote), prefix.py (the prefix-cache glue), transfer.py
+(host state onto the device).
 
 Everything lives on a device mesh (parallel/mesh.py; one device without one): the parameters and
 the KV buffer are split by the rules table, the decode state and every host input are replicated,
@@ -13,9 +16,7 @@ nothing recompiles. On several processes each runs the same calls (parallel/mult
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
-import math
 import time
 from collections.abc import Callable
 from typing import Any, Sequence
@@ -25,99 +26,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from mbd_jax import compile_stats
-from mbd_jax.cache.offload import KVOffloader
 from mbd_jax.cache.prefix_store import PrefixStore
-from mbd_jax.config import DecodeConfig, ModelConfig, VotingConfig
-from mbd_jax.decoding import block_buffer, loop, policy, voting
-from mbd_jax.decoding.block_buffer import FINISH_NAMES, DecodeState, RowParams
+from mbd_jax.config import DecodeConfig, ModelConfig
+from mbd_jax.decoding import block_buffer, loop
+from mbd_jax.decoding.block_buffer import DecodeState
+from mbd_jax.engine import admission, results
+from mbd_jax.engine.admission import ROW_PREFILL_MIN, Admission, PrefillCall, prefill_buckets
+from mbd_jax.engine.prefix import PrefixGlue, PrefixHit
+from mbd_jax.engine.results import GenerationResult
+from mbd_jax.engine.transfer import RowPacker
 from mbd_jax.errors import UserError
 from mbd_jax.model.transformer import Transformer, cache_type
 from mbd_jax.parallel import mesh as meshlib
 from mbd_jax.parallel import multihost
 from mbd_jax.tokenizer import Tokenizer
-
-
-@dataclasses.dataclass
-class GenerationResult:
-    token_ids: list[int]  # generated tokens, without the terminating EOS
-    finish_reason: str  # stop | length | max_nfe
-    nfe: int  # decode forwards (decoding/block_buffer.py says what counts as one)
-    tokens_unmasked: int  # unmasked by decode steps, including any past the EOS (not output)
-    bubble_forwards: int  # forwards that unmasked no token (the storing bubble)
-    edits: int  # filled tokens rewritten (edit mode)
-    blocks: int  # blocks decoded (started)
-    max_active_blocks: int
-    prompt_tokens: int
-    seconds: float
-    text: str | None = None
-    voted_answer: str | None = None  # voting: the weighted majority over the steps' answers
-    final_answer: str | None = None  # voting: the answer parsed from the final text
-    vote_scores: dict[str, float] | None = None
-    logprobs: list[float] | None = None  # per token: its log-probability when it was written
-    eos: bool = False  # the output ended with an EOS token (not in token_ids)
-
-    @property
-    def output_tokens(self) -> int:
-        """Tokens the model output: token_ids and the terminating EOS, if any."""
-        return len(self.token_ids) + self.eos
-
-    @property
-    def tpf(self) -> float:
-        """Tokens per forward as the MBD-LMs paper counts it: output tokens (up to and including
-        EOS) / decode forwards."""
-        return self.output_tokens / max(self.nfe, 1)
-
-    def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["tokens"] = len(self.token_ids)
-        d["output_tokens"] = self.output_tokens
-        d["tpf"] = round(self.tpf, 4)
-        return d
-
-
-# A prefill chunk of at least this many tokens per row runs over its own cache row ([1, T]); the
-# shorter ones of an admission share one call over every row ([B, T], the rows not being
-# prefilled store nothing). Past a few dozen tokens a row reuses each weight enough on its own,
-# and one long prompt no longer costs the whole batch's compute (docs/performance.md).
-ROW_PREFILL_MIN = 64
-
-
-def prefill_buckets(block_size: int, prefill_chunk: int) -> list[int]:
-    """Prefill token counts that get compiled: block_size * 2^k, up to prefill_chunk."""
-    sizes, t = [], block_size
-    while t < prefill_chunk:
-        sizes.append(t)
-        t *= 2
-    return sizes + [prefill_chunk]
-
-
-@dataclasses.dataclass
-class PrefixHit:
-    """A prompt's leading blocks found in the prefix store, already on their way to the device."""
-
-    tokens: int  # prompt positions [0, tokens) are covered
-    chunks: list[tuple[int, jax.Array]]  # (start, [L, 2, T, K, Dh]) with T a prefill bucket
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillCall:
-    """One compiled prefill call: `tokens` positions of cache row `row` alone ([1, T]), or, with
-    `row` None, of every cache row ([B, T]) where the `rows` mask stores."""
-
-    tokens: int  # T, a prefill bucket
-    row: int | None = None
-    rows: np.ndarray | None = None  # [B] bool, the shared call's rows
-
-
-@dataclasses.dataclass
-class Admission:
-    """Requests being admitted into rows: their fresh state and how far their prefill got."""
-
-    rows: np.ndarray  # [B] bool, the admitted rows
-    prompts: list[np.ndarray]
-    full_len: np.ndarray  # [B] full prompt blocks to prefill per row
-    fresh: DecodeState
-    start: np.ndarray  # [B] prompt positions [0, start) of each row are in the KV buffer
 
 
 def _merge_rows(old: DecodeState, new: DecodeState, rows: jax.Array) -> DecodeState:
@@ -153,7 +75,7 @@ class Engine:
         self.mesh = mesh if mesh is not None else meshlib.single_device_mesh()
         replicated = meshlib.replicated(self.mesh)
         self._put = functools.partial(jax.device_put, device=replicated)  # host input -> mesh
-        self._unpackers: dict[Any, Callable] = {}  # _put_rows' jitted unpack per tree layout
+        self._put_rows = RowPacker(self._put)  # a batch-first host tree -> mesh, one transfer
         self.params = jax.device_put(params, meshlib.param_shardings(cfg, self.mesh))
         self.batch_size = batch_size
         self.buffer_size = buffer_size
@@ -184,27 +106,12 @@ class Engine:
         self._merge = jax.jit(_merge_rows, donate_argnames=("old",), out_shardings=replicated)
         self._host: tuple[DecodeState, DecodeState] | None = None  # (device, host): host_view
         self.prefix_store = prefix_store
-        self.offloader: KVOffloader | None = None
         self.prefix_hit_tokens = 0  # prompt tokens served from the prefix store so far
         self.prefill_seconds_per_token = 0.0  # measured in warmup (with a prefix store)
-        if prefix_store is not None:
-            if prefix_store.block_size != cfg.block_size:
-                raise UserError(f"prefix store block size {prefix_store.block_size} != the model's "
-                                f"{cfg.block_size}")
-            if jax.process_count() > 1:
-                raise UserError("the prefix cache runs on one process; disable cache.enabled for "
-                                "a multi-process launch")
-            block = self.cache.entry_shape(cfg, cfg.block_size)  # one block's entries
-            prefix_store.expect(block, self.kv.dtype)
-            self._load = jax.jit(lambda kv, entries, row, start: kv.load(entries, row, start),
-                                 donate_argnums=0, out_shardings=kv_sharding)
-            gather = jax.jit(lambda staging, kv, rows, starts: kv.gather(
-                rows, starts, cfg.block_size), donate_argnums=0, out_shardings=replicated)
-            staging = (offload_blocks_per_call, *block)
-            empty = jax.jit(lambda: jnp.zeros(staging, self.kv.dtype),
-                            out_shardings=replicated)
-            self.offloader = KVOffloader(prefix_store, gather, empty, batch_size,
-                                         offload_blocks_per_call)
+        self._prefix = None if prefix_store is None else PrefixGlue(
+            prefix_store, cfg, self.cache, self.kv, kv_sharding, replicated, self._put,
+            batch_size, offload_blocks_per_call, self.prefill_chunk, self._bucket)
+        self.offloader = None if self._prefix is None else self._prefix.offloader
 
     # ---------------------------------------------------------------- validation
     def check_prompt(self, ids: Sequence[int], where: str = "prompt") -> None:
@@ -228,97 +135,24 @@ class Engine:
                             "tokenizer (record_steps, record_len, tokenizer)")
 
     # ---------------------------------------------------------------- host -> device state
-    def _put_rows(self, tree: Any) -> Any:
-        """A pytree of host arrays, every leaf batch-first, on the device in one transfer per
-        dtype: the leaves are packed into [B, n] arrays and split again by a jitted unpack
-        (compiled once per tree layout). Thirty-odd small device_puts per admitted request
-        cost more than the request's prefill on a CPU."""
-        leaves, treedef = jax.tree.flatten(tree)
-        leaves = [np.asarray(x) for x in leaves]
-        layout = (treedef, tuple((x.shape, x.dtype.str) for x in leaves))
-        groups: dict[str, list[int]] = {}
-        for i, x in enumerate(leaves):
-            groups.setdefault(x.dtype.str, []).append(i)
-        packed = [np.concatenate([leaves[i].reshape(len(leaves[i]), -1) for i in idx], axis=1)
-                  for idx in groups.values()]
-        unpack = self._unpackers.get(layout)
-        if unpack is None:
-            shapes = [x.shape for x in leaves]
-
-            def unpack_fn(*arrays):
-                out: list[Any] = [None] * len(shapes)
-                for array, idx in zip(arrays, groups.values()):
-                    col = 0
-                    for i in idx:
-                        size = math.prod(shapes[i][1:])
-                        out[i] = array[:, col: col + size].reshape(shapes[i])
-                        col += size
-                return jax.tree.unflatten(treedef, out)
-
-            unpack = self._unpackers[layout] = jax.jit(unpack_fn)
-        return unpack(*(self._put(a) for a in packed))
-
-    def _row_params(self, prompts: list[np.ndarray], decodes: list[DecodeConfig]) -> RowParams:
-        """Host arrays ([B] per field); _put_rows moves them with the rest of the state."""
-        cfg = self.cfg
-        col = lambda f, dt=np.float32: np.array([f(d) for d in decodes], dt)  # noqa: E731
-        limits = [min(len(p) + d.max_new_tokens, cfg.max_seq_len) for p, d in zip(prompts, decodes)]
-        return RowParams(
-            limit=np.array(limits, np.int32),
-            max_nfe=col(lambda d: d.max_nfe, np.int32),
-            buffer_size=col(lambda d: d.buffer_size, np.int32),
-            policy=col(lambda d: policy.POLICY_IDS[d.policy], np.int32),
-            accept_threshold=col(lambda d: d.accept_threshold),
-            add_block_threshold=col(lambda d: d.add_block_threshold),
-            semi_complete_threshold=col(lambda d: d.semi_complete_threshold),
-            token_stability_threshold=col(lambda d: d.token_stability_threshold),
-            tokens_per_step=col(lambda d: d.tokens_per_step(cfg.block_size), np.int32),
-            factor=col(lambda d: d.factor),
-            edit=col(lambda d: d.sampling_mode == "edit", bool),
-            edit_threshold=col(lambda d: d.edit_threshold),
-            max_block_steps=col(lambda d: cfg.block_size + d.max_post_edit_steps, np.int32),
-            temperature=col(lambda d: d.temperature),
-            top_k=col(lambda d: d.top_k, np.int32),
-            top_p=col(lambda d: d.top_p),
-            seed=col(lambda d: d.seed, np.int32),
-        )
-
     def initial_state(self, prompts: list[np.ndarray], decodes: list[DecodeConfig],
                       done: np.ndarray | None = None) -> DecodeState:
         """The rows' fresh state on the device (`done`: rows that start free)."""
         host = block_buffer.initial_state(prompts, self.capacity, self.cfg.block_size,
                                           self.buffer_size, self.cfg.mask_token_id,
-                                          self._row_params(prompts, decodes), self.record,
+                                          admission.row_params(self.cfg, prompts, decodes),
+                                          self.record,
                                           put=np.asarray)
         if done is not None:
             host = host.replace(done=done)
         return self._put_rows(host)
 
-    def _full_len(self, prompts: list[np.ndarray], rows: np.ndarray) -> np.ndarray:
-        blk = self.cfg.block_size
-        return np.array([len(p) // blk * blk if rows[i] else 0 for i, p in enumerate(prompts)],
-                        np.int32)
-
     def _bucket(self, tokens: int) -> int:
-        """The compiled prefill length for `tokens` positions (capped at prefill_chunk)."""
-        return next(t for t in prefill_buckets(self.cfg.block_size, self.prefill_chunk)
-                    if t >= min(tokens, self.prefill_chunk))
+        return admission.bucket(tokens, self.cfg.block_size, self.prefill_chunk)
 
     def _next_round(self, full_len: np.ndarray, start: np.ndarray, rows: np.ndarray
                     ) -> tuple[list[PrefillCall], np.ndarray]:
-        """The prefill calls of an admission's next chunk and each row's start after them. A row
-        with prompt blocks left takes its next chunk in the smallest bucket that covers what it
-        has left (at most prefill_chunk): a call of its own from row_prefill_min tokens, else the
-        shared call, as long as the most any sharing row has left."""
-        left = np.where(rows, full_len - start, 0)
-        bucket = np.array([self._bucket(int(n)) if n > 0 else 0 for n in left])
-        own = bucket >= self.row_prefill_min
-        shared = (bucket > 0) & ~own
-        calls = [PrefillCall(int(bucket[i]), row=int(i)) for i in np.nonzero(own)[0]]
-        if shared.any():
-            calls.insert(0, PrefillCall(int(bucket[shared].max()), rows=shared))
-            bucket = np.where(shared, bucket[shared].max(), bucket)
-        return calls, start + np.minimum(bucket, left).astype(np.int32)
+        return admission.next_round(full_len, start, rows, self._bucket, self.row_prefill_min)
 
     def _prefill_call(self, prompts: list[np.ndarray], full_len: np.ndarray, start: np.ndarray,
                       call: PrefillCall) -> None:
@@ -415,51 +249,13 @@ class Engine:
                 for i in range(n)]
 
     def output_ids(self, host: DecodeState, row: int, end: int | None = None) -> list[int]:
-        """Row's generated tokens from host arrays, up to `end` (default: its stop position),
-        without a terminating EOS."""
-        p0 = int(host.prompt_len[row])
-        stop = int(host.stop_pos[row]) if end is None else end
-        ids = host.canvas[row, p0:stop].tolist()
-        if ids and ids[-1] in self.cfg.eos_token_ids and int(host.finish[row]) == block_buffer.FINISH_STOP:
-            ids = ids[:-1]
-        return ids
+        """Row's generated tokens from host arrays (results.output_ids)."""
+        return results.output_ids(self.cfg, host, row, end)
 
     def result_of(self, host: DecodeState, i: int, seconds: float,
                   decode: DecodeConfig | None = None) -> GenerationResult:
-        """The result of finished row i, from host arrays (jax.device_get of the state)."""
-        p0, stop = int(host.prompt_len[i]), int(host.stop_pos[i])
-        ids = self.output_ids(host, i)
-        eos = len(ids) < stop - p0  # output_ids dropped the terminating EOS
-        blocks = math.ceil(max(stop, p0 + 1) / self.cfg.block_size) - p0 // self.cfg.block_size
-        r = GenerationResult(
-            token_ids=ids, finish_reason=FINISH_NAMES.get(int(host.finish[i]), "unknown"),
-            nfe=int(host.nfe[i]), tokens_unmasked=int(host.n_unmasked[i]),
-            bubble_forwards=int(host.bubbles[i]), edits=int(host.n_edits[i]), blocks=blocks,
-            max_active_blocks=int(host.max_active[i]), prompt_tokens=p0, seconds=seconds, eos=eos)
-        if host.logprob is not None:
-            r.logprobs = host.logprob[i, p0: p0 + len(ids)].tolist()
-        if self.tokenizer is not None:
-            r.text = self.tokenizer.decode(ids)
-        if decode is not None and decode.voting is not None:
-            self._vote(r, host.trajectory[i], decode.voting)
-        return r
-
-    def _vote(self, result: GenerationResult, trajectory: np.ndarray, cfg: VotingConfig) -> None:
-        """Parses every recorded step's full prediction and votes (voting.py)."""
-        r = trajectory.shape[0]
-        steps = list(range(max(0, result.nfe - r), result.nfe))
-        stops = set(self.cfg.eos_token_ids) | {self.cfg.mask_token_id}
-        answers = []
-        for t in steps:
-            ids = []
-            for tok in trajectory[t % r].tolist():
-                if tok in stops:
-                    break
-                ids.append(tok)
-            answers.append(voting.extract(self.tokenizer.decode(ids), cfg))
-        result.voted_answer, scores = voting.vote(answers, cfg, steps, result.nfe)
-        result.vote_scores = {a: round(s, 6) for a, s in scores.items()}
-        result.final_answer = voting.extract(result.text or "", cfg)
+        """The result of finished row i, from host arrays (results.result_of)."""
+        return results.result_of(self.cfg, self.tokenizer, host, i, seconds, decode)
 
     # ---------------------------------------------------------------- continuous batching
     def _blank_rows(self) -> tuple[list[np.ndarray], list[DecodeConfig]]:
@@ -475,19 +271,7 @@ class Engine:
         """Looks a prompt's leading full blocks up in the prefix store and starts their transfer
         to the device (the scheduler calls this for queued requests, so the copy overlaps their
         wait). None without a store or a hit."""
-        if self.prefix_store is None:
-            return None
-        blk = self.cfg.block_size
-        entries = self.prefix_store.lookup(prompt, max_blocks=len(prompt) // blk)
-        if not entries:
-            return None
-        per_chunk = self.prefill_chunk // blk
-        chunks = []
-        for first in range(0, len(entries), per_chunk):
-            part = entries[first: first + per_chunk]
-            span = self.cache.join(part, self._bucket(len(part) * blk))  # padded to a bucket
-            chunks.append((first * blk, self._put(span)))
-        return PrefixHit(tokens=len(entries) * blk, chunks=chunks)
+        return None if self._prefix is None else self._prefix.prefetch(prompt)
 
     def begin_admit(self, requests: dict[int, tuple[Sequence[int], DecodeConfig]],
                     prefetched: dict[int, PrefixHit | None] | None = None) -> Admission:
@@ -503,21 +287,14 @@ class Engine:
             self.check_decode(decode)
             rows[row], prompts[row], decodes[row] = True, np.asarray(prompt, np.int32), decode
         start = np.zeros(self.batch_size, np.int32)
-        if self.offloader is not None:
+        if self._prefix is not None:
             for row in requests:
-                start[row] = self._load_prefix(row, prompts[row], (prefetched or {}).get(row))
+                self.kv, start[row] = self._prefix.load(self.kv, row, prompts[row],
+                                                        (prefetched or {}).get(row))
         self.prefix_hit_tokens += int(start.sum())
-        return Admission(rows=rows, prompts=prompts, full_len=self._full_len(prompts, rows),
+        full_len = admission.full_blocks(prompts, rows, self.cfg.block_size)
+        return Admission(rows=rows, prompts=prompts, full_len=full_len,
                          fresh=self.initial_state(prompts, decodes, done=~rows), start=start)
-
-    def _load_prefix(self, row: int, prompt: np.ndarray, hit: PrefixHit | None) -> int:
-        """Copies the prompt's stored leading blocks into `row`; returns how many tokens."""
-        hit = hit or self.prefetch(prompt)
-        for chunk_start, blocks in hit.chunks if hit else ():
-            self.kv = self._load(self.kv, blocks, np.int32(row), np.int32(chunk_start))
-        tokens = hit.tokens if hit else 0
-        self.offloader.reset_row(row, tokens // self.cfg.block_size)
-        return tokens
 
     def prefill_step(self, adm: Admission) -> bool:
         """The next prefill chunk of every admitted row with prompt blocks left; True once all
@@ -526,7 +303,7 @@ class Engine:
         for call in calls:
             self._prefill_call(adm.prompts, adm.full_len, adm.start, call)
         adm.start = after
-        return not (adm.rows & (adm.full_len > adm.start)).any()
+        return adm.prefilled
 
     def finish_admit(self, state: DecodeState, adm: Admission) -> DecodeState:
         """Merges the admitted rows' fresh state into the running state (one compiled program)."""
@@ -569,7 +346,8 @@ class Engine:
         for s in range(0, len(prompts), self.batch_size):
             batch = [np.asarray(p) for p in prompts[s: s + self.batch_size]]
             rows = np.ones(len(batch), bool)
-            full, start = self._full_len(batch, rows), np.zeros(len(batch), np.int32)
+            full = admission.full_blocks(batch, rows, self.cfg.block_size)
+            start = np.zeros(len(batch), np.int32)
             while (full > start).any():  # the calls prefill_step makes
                 calls, start = self._next_round(full, start, rows)
                 used.update(call.tokens for call in calls)
@@ -594,9 +372,8 @@ class Engine:
             say(f"compiling prefill of {t} tokens ({i + 1}/{len(buckets)})")
             self._prefill_call(self._blank_rows()[0], zeros_b, zeros_b,
                                self._warm_call(t, np.zeros(b, bool)))  # pads, no request yet
-            if self.offloader is not None:  # loading t cached tokens into a row (row 0: free)
-                entries = np.zeros(self.cache.entry_shape(self.cfg, t), self.kv.dtype)
-                self.kv = self._load(self.kv, self._put(entries), np.int32(0), np.int32(0))
+            if self._prefix is not None:  # loading t cached tokens into a row
+                self.kv = self._prefix.warm_load(self.kv, t)
         if self.offloader is not None:
             self.offloader.warmup(self.kv)
             # what a prefill token costs, for the "time saved" metric: the largest bucket, all rows

@@ -1,0 +1,85 @@
+"""The engine's prefix-cache glue: stored leading blocks of a prompt looked up, sent to the
+device and loaded into the admitted row; committed blocks staged for the store after each decode
+call (cache/offload.py, double-buffered). Reaches the KV buffer only through the model's cache
+interface (model/kv_cache.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mbd_jax.cache.offload import KVOffloader
+from mbd_jax.cache.prefix_store import PrefixStore
+from mbd_jax.config import ModelConfig
+from mbd_jax.errors import UserError
+
+
+@dataclasses.dataclass
+class PrefixHit:
+    """A prompt's leading blocks found in the prefix store, already on their way to the device."""
+
+    tokens: int  # prompt positions [0, tokens) are covered
+    chunks: list[tuple[int, jax.Array]]  # (start, cache entries of T positions), T a prefill bucket
+
+
+class PrefixGlue:
+    def __init__(self, store: PrefixStore, cfg: ModelConfig, cache: Any, kv: Any,
+                 kv_sharding: Any, replicated: Any, put: Callable[[np.ndarray], jax.Array],
+                 batch_size: int, blocks_per_call: int, prefill_chunk: int,
+                 bucket_of: Callable[[int], int]):
+        """`cache`: the model's cache type; `kv`: the engine's buffer (its dtype is the entries');
+        `put`: a host array onto the mesh; `bucket_of`: the prefill bucket of a token count."""
+        if store.block_size != cfg.block_size:
+            raise UserError(f"prefix store block size {store.block_size} != the model's "
+                            f"{cfg.block_size}")
+        if jax.process_count() > 1:
+            raise UserError("the prefix cache runs on one process; disable cache.enabled for "
+                            "a multi-process launch")
+        self.store, self.cfg, self.cache = store, cfg, cache
+        self._put, self._bucket_of, self._prefill_chunk = put, bucket_of, prefill_chunk
+        self.dtype = kv.dtype
+        block = cache.entry_shape(cfg, cfg.block_size)  # one block's entries
+        store.expect(block, self.dtype)
+        self._load = jax.jit(lambda kv, entries, row, start: kv.load(entries, row, start),
+                             donate_argnums=0, out_shardings=kv_sharding)
+        gather = jax.jit(lambda staging, kv, rows, starts: kv.gather(
+            rows, starts, cfg.block_size), donate_argnums=0, out_shardings=replicated)
+        staging = (blocks_per_call, *block)
+        empty = jax.jit(lambda: jnp.zeros(staging, self.dtype), out_shardings=replicated)
+        self.offloader = KVOffloader(store, gather, empty, batch_size, blocks_per_call)
+
+    def prefetch(self, prompt: Sequence[int]) -> PrefixHit | None:
+        """Looks a prompt's leading full blocks up and starts their transfer to the device;
+        None without a hit."""
+        blk = self.cfg.block_size
+        entries = self.store.lookup(prompt, max_blocks=len(prompt) // blk)
+        if not entries:
+            return None
+        per_chunk = self._prefill_chunk // blk
+        chunks = []
+        for first in range(0, len(entries), per_chunk):
+            part = entries[first: first + per_chunk]
+            span = self.cache.join(part, self._bucket_of(len(part) * blk))  # padded to a bucket
+            chunks.append((first * blk, self._put(span)))
+        return PrefixHit(tokens=len(entries) * blk, chunks=chunks)
+
+    def load(self, kv: Any, row: int, prompt: np.ndarray, hit: PrefixHit | None) -> tuple[Any, int]:
+        """Copies the prompt's stored leading blocks into `row` (looked up now unless `hit`
+        was prefetched); returns the buffer and how many prompt tokens it covers."""
+        hit = hit or self.prefetch(prompt)
+        for chunk_start, blocks in hit.chunks if hit else ():
+            kv = self._load(kv, blocks, np.int32(row), np.int32(chunk_start))
+        tokens = hit.tokens if hit else 0
+        self.offloader.reset_row(row, tokens // self.cfg.block_size)
+        return kv, tokens
+
+    def warm_load(self, kv: Any, tokens: int) -> Any:
+        """Compiles loading `tokens` cached positions (a bucket) into a row (row 0, before any
+        request)."""
+        entries = np.zeros(self.cache.entry_shape(self.cfg, tokens), self.dtype)
+        return self._load(kv, self._put(entries), np.int32(0), np.int32(0))
