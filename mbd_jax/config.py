@@ -64,6 +64,7 @@ def resolve_auto(field: str, value: str, backend: str | None = None) -> str:
     table = AUTO[field]
     return table.get(backend, table["*"])
 DType = Literal["float32", "bfloat16", "float16"]
+RopeType = Literal["linear", "yarn", "llama3"]  # static rope scalings (model/rope.py)
 
 
 def _type_ok(value: Any, tp: Any) -> bool:
@@ -175,6 +176,32 @@ def _check_range(obj: Any, where: str, field: str, lo: float, hi: float) -> None
 
 
 @dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Rotary-embedding scaling for contexts past the pretraining length: a checkpoint's
+    `rope_scaling` / `rope_parameters` (model/rope.py computes the frequencies from it)."""
+
+    type: RopeType
+    factor: float  # the context extension (frequencies interpolated by 1/factor)
+    original_max_len: int = 0  # the pretraining context (yarn, llama3)
+    beta_fast: float = 32.0  # yarn: rotations at which interpolation stops ...
+    beta_slow: float = 1.0  # ... and at which it is complete
+    truncate: bool = True  # yarn: round the correction range to whole dimensions
+    attention_factor: float | None = None  # yarn: cos/sin scale (None: 0.1 ln(factor) + 1)
+    low_freq_factor: float = 1.0  # llama3: wavelengths past original_max_len / this are scaled
+    high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_len / this are kept
+
+    def validate(self, where: str = "rope_scaling") -> None:
+        _check(self.factor > 0, where, f"field 'factor' must be > 0, got {self.factor}")
+        if self.type in ("yarn", "llama3"):
+            _check(self.original_max_len > 0, where,
+                   f"rope type {self.type} needs field 'original_max_len' > 0 (the pretraining "
+                   "context, original_max_position_embeddings)")
+        if self.type == "llama3":
+            _check(self.high_freq_factor > self.low_freq_factor, where,
+                   "field 'high_freq_factor' must exceed 'low_freq_factor'")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """The architecture of one block-diffusion transformer (LLaDA2 / SDAR / Qwen3-MoE families)."""
 
@@ -201,6 +228,7 @@ class ModelConfig:
     moe_impl: MoeImpl = "auto"
     # Attention.
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # long-context scaling (None: plain rope)
     rotary_fraction: float = 1.0  # share of head_dim that is rotated (LLaDA2: 0.5)
     qk_norm: bool = True
     rms_norm_eps: float = 1e-6
@@ -236,6 +264,8 @@ class ModelConfig:
         _check(0.0 < self.rotary_fraction <= 1.0, where, "field 'rotary_fraction' must be in (0, 1]")
         rot = self.rotary_dim
         _check(rot % 2 == 0, where, f"rotary_fraction * head_dim = {rot} must be even")
+        if self.rope_scaling is not None:
+            self.rope_scaling.validate(f"{where}.rope_scaling")
         _check(self.max_seq_len % self.block_size == 0, where,
                f"field 'max_seq_len' ({self.max_seq_len}) must be a multiple of 'block_size' "
                f"({self.block_size})")

@@ -15,13 +15,15 @@ import logging
 import pathlib
 import shutil
 import time
+import typing
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import yaml
 
 from mbd_jax.checkpoint import save_model, write_manifest
-from mbd_jax.config import GENERATION_FILE, DecodeConfig, ModelConfig, from_dict
+from mbd_jax.config import (GENERATION_FILE, DecodeConfig, ModelConfig, RopeScaling, RopeType,
+                            from_dict)
 from mbd_jax.errors import ConfigError, UserError
 
 CONVERTER_VERSION = "1"
@@ -47,6 +49,40 @@ def detect_family(hf: dict) -> str:
                     f"architectures {arch!r}; pass --family one of {', '.join(FAMILIES)}")
 
 
+def rope_scaling(rope: dict) -> RopeScaling | None:
+    """A checkpoint's rope_parameters / rope_scaling as ours (None: plain rope); a kind we do
+    not compute is refused by name."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in ("default", None):
+        return None
+    allowed = typing.get_args(RopeType)
+    if kind not in allowed:
+        raise UserError(f"config.json: rope_type {kind!r} is not supported; supported: default, "
+                        f"{', '.join(allowed)}")
+
+    def need(key: str):
+        if rope.get(key) is None:
+            raise UserError(f"config.json: rope_type {kind} needs '{key}' in its rope parameters")
+        return rope[key]
+
+    out = {"type": kind, "factor": float(need("factor"))}
+    if kind in ("yarn", "llama3"):
+        out["original_max_len"] = int(need("original_max_position_embeddings"))
+    if kind == "yarn":
+        if rope.get("attention_factor") is None and rope.get("mscale") and rope.get("mscale_all_dim"):
+            raise UserError("config.json: yarn with mscale / mscale_all_dim is not supported; give "
+                            "attention_factor instead")
+        for key in ("beta_fast", "beta_slow", "attention_factor"):
+            if rope.get(key) is not None:
+                out[key] = float(rope[key])
+        if rope.get("truncate") is not None:
+            out["truncate"] = bool(rope["truncate"])
+    if kind == "llama3":
+        out["low_freq_factor"] = float(rope.get("low_freq_factor", 1.0))
+        out["high_freq_factor"] = float(rope.get("high_freq_factor", 4.0))
+    return from_dict(RopeScaling, out, where="config.json rope parameters")
+
+
 def model_config(hf: dict, family: str, name: str, dtype: str, mask_token_id: int,
                  eos_ids: list[int], block_size: int) -> ModelConfig:
     def need(key: str):
@@ -55,9 +91,7 @@ def model_config(hf: dict, family: str, name: str, dtype: str, mask_token_id: in
         return hf[key]
 
     # transformers >= 5 nests rope settings under rope_parameters and says num_local_experts.
-    rope = hf.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") not in ("default", None):
-        raise UserError(f"config.json: rope_type {rope['rope_type']!r} is not supported (default only)")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
     partial = hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
     if "num_experts" not in hf and "num_local_experts" in hf:
@@ -69,7 +103,7 @@ def model_config(hf: dict, family: str, name: str, dtype: str, mask_token_id: in
         num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or d // heads,
         intermediate_size=need("intermediate_size"),
-        rope_theta=float(theta),
+        rope_theta=float(theta), rope_scaling=rope_scaling(rope),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_seq_len=int(hf.get("max_position_embeddings", 4096)) // block_size * block_size,

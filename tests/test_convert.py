@@ -13,13 +13,15 @@ import torch
 from safetensors.torch import save_file
 
 from mbd_jax.checkpoint import load_model
-from mbd_jax.config import GENERATION_FILE, DecodeConfig, model_generation_settings
+from mbd_jax.config import GENERATION_FILE, DecodeConfig, RopeScaling, model_generation_settings
 from mbd_jax.convert import convert
 from mbd_jax.engine import Engine
 from mbd_jax.errors import ConfigError, UserError
 from mbd_jax.model import layout
 from mbd_jax.model.forward_meta import ForwardMeta
+from mbd_jax.model.rope import frequencies
 from mbd_jax.model.transformer import Attention, MoE, Transformer, block_causal_mask
+from tests.conftest import tiny_cfg
 
 BLOCK = 4
 MASK_ID = 1
@@ -44,6 +46,10 @@ def hf_model(kind: str, seed: int = 0):
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=50000.0,
                   max_position_embeddings=128, eos_token_id=EOS_ID, pad_token_id=0,
                   tie_word_embeddings=False, attn_implementation="eager")
+    if kind == "qwen3-yarn":  # a pretraining context of 8 stretched 16x: positions past 8 matter
+        common["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 16.0,
+                                     "original_max_position_embeddings": 8}
+        kind = "qwen3"
     if kind == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common))
     else:
@@ -51,6 +57,58 @@ def hf_model(kind: str, seed: int = 0):
                                                     num_experts_per_tok=2, norm_topk_prob=True))
     _randomise(model, seed)
     return model.eval()
+
+
+# transformers' rope_parameters -> ours, on a partial rotary head (12 of 16 dims); plain rope is
+# test_layers.py's NumPy reference
+ROPE_SCALINGS = {
+    "linear": ({"rope_type": "linear", "factor": 4.0}, RopeScaling("linear", 4.0)),
+    "yarn": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+             RopeScaling("yarn", 4.0, original_max_len=64)),
+    "yarn-beta-attention": (
+        {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 256,
+         "beta_fast": 16.0, "beta_slow": 2.0, "attention_factor": 1.3, "truncate": False},
+        RopeScaling("yarn", 8.0, original_max_len=256, beta_fast=16.0, beta_slow=2.0,
+                    attention_factor=1.3, truncate=False)),
+    "llama3": ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 128,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+               RopeScaling("llama3", 8.0, original_max_len=128)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROPE_SCALINGS))
+def test_rope_frequencies_match_transformers(name):
+    """Our scaled rope frequencies and cos/sin scale equal transformers' rope init functions'."""
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    theirs, ours = ROPE_SCALINGS[name]
+    hf = Qwen3Config(hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=512,
+                     rope_parameters={**theirs, "rope_theta": 50000.0, "partial_rotary_factor": 0.75})
+    want_freq, want_scale = ROPE_INIT_FUNCTIONS[theirs["rope_type"]](hf, "cpu")
+    cfg = tiny_cfg(head_dim=16, rotary_fraction=0.75, rope_theta=50000.0, rope_scaling=ours)
+    freq, scale = frequencies(cfg)
+    np.testing.assert_allclose(np.asarray(freq), want_freq.numpy(), rtol=1e-6)
+    assert scale == pytest.approx(want_scale)
+    plain, _ = frequencies(tiny_cfg(head_dim=16, rotary_fraction=0.75, rope_theta=50000.0))
+    assert not np.allclose(np.asarray(freq), np.asarray(plain))  # the scaling changes something
+
+
+def test_rope_parameters_convert_or_are_refused_by_name():
+    """Old (`rope_scaling` with `type`) and new (`rope_parameters` with `rope_type`) spellings map
+    to the same settings; a kind we do not compute, or a missing parameter, is named."""
+    from mbd_jax.convert import rope_scaling
+
+    old = rope_scaling({"type": "yarn", "factor": 4, "original_max_position_embeddings": 32768})
+    new = rope_scaling({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+                        "beta_fast": 32, "rope_theta": 1e6})
+    assert old == new == RopeScaling("yarn", 4.0, original_max_len=32768)
+    assert rope_scaling({"rope_type": "default", "rope_theta": 1e6}) is None and rope_scaling({}) is None
+    with pytest.raises(UserError, match="rope_type 'dynamic' is not supported; supported: default, "
+                                        "linear, yarn, llama3"):
+        rope_scaling({"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(UserError, match="llama3 needs 'original_max_position_embeddings'"):
+        rope_scaling({"rope_type": "llama3", "factor": 8.0})
 
 
 def torch_block_mask(n: int) -> torch.Tensor:
@@ -103,7 +161,8 @@ def ours_logits(loaded, ids: list[int]) -> np.ndarray:
 
 
 @pytest.mark.parametrize("kind,save", [
-    ("qwen3", "safetensors"), ("qwen3", "bin"), ("qwen3_moe", "safetensors"), ("qwen3_moe", "sharded")])
+    ("qwen3", "safetensors"), ("qwen3", "bin"), ("qwen3_moe", "safetensors"), ("qwen3_moe", "sharded"),
+    ("qwen3-yarn", "safetensors")])
 def test_qwen_family_matches_transformers(tmp_path, kind, save):
     model = hf_model(kind)
     src = tmp_path / "hf"
@@ -117,12 +176,13 @@ def test_qwen_family_matches_transformers(tmp_path, kind, save):
         assert (src / "model.safetensors.index.json").is_file()
     manifest = convert(src, tmp_path / "out", dtype="float32", mask_token_id=MASK_ID,
                        block_size=BLOCK, progress=False)
-    assert manifest["family"] == ("sdar" if kind == "qwen3" else "sdar_moe")
+    assert manifest["family"] == ("sdar_moe" if kind == "qwen3_moe" else "sdar")
     settings = model_generation_settings(str(tmp_path / "out"))
     assert settings == ({"decoding": {"temperature": 0.7, "top_k": 50, "top_p": 0.9}}
                         if save == "sharded" else {})  # greedy sources need no file
     assert GENERATION_FILE not in manifest["files"]
     loaded = load_model(str(tmp_path / "out"))
+    assert (loaded.cfg.rope_scaling is not None) == (kind == "qwen3-yarn")
     ids = list(np.random.default_rng(0).integers(3, 96, 22))
     diff = np.abs(ours_logits(loaded, ids) - torch_logits(model, ids)).max()
     assert diff <= 1e-4, diff

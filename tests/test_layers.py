@@ -8,7 +8,8 @@ import numpy as np
 
 from mbd_jax.model.forward_meta import ForwardMeta
 from mbd_jax.model.kv_cache import KVCache
-from mbd_jax.model import layers
+from mbd_jax.model import layers, rope
+from tests.conftest import tiny_cfg
 
 
 def np_rope(x, pos, theta, rot):
@@ -28,7 +29,8 @@ def test_partial_rope_matches_numpy_and_keeps_the_rest():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2, 5, 3, 16)).astype(np.float32)
     pos = rng.integers(0, 1000, (2, 5))
-    got = np.asarray(layers.apply_rope(jnp.asarray(x), jnp.asarray(pos), 600000.0, 8))
+    cfg = tiny_cfg(head_dim=16, rotary_fraction=0.5, rope_theta=600000.0)  # 8 dims rotated
+    got = np.asarray(rope.apply_rope(jnp.asarray(x), jnp.asarray(pos), *rope.frequencies(cfg)))
     np.testing.assert_allclose(got, np_rope(x, pos, 600000.0, 8), atol=1e-4)
     np.testing.assert_array_equal(got[..., 8:], x[..., 8:])
 

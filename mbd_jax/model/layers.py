@@ -21,22 +21,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (y * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float, rotary_dim: int) -> jax.Array:
-    """Rotates the first `rotary_dim` dims of each head (half-split convention, as HF Qwen3/LLaDA2).
-
-    x: [B, T, N, Dh]; positions: [B, T] int.
-    """
-    half = rotary_dim // 2
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2.0 / rotary_dim))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, half]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
-    x32 = x.astype(jnp.float32)
-    x1, x2, rest = x32[..., :half], x32[..., half:rotary_dim], x32[..., rotary_dim:]
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
-    return rotated.astype(x.dtype)
-
-
 def block_causal_visible(q_pos: jax.Array, k_pos: jax.Array, visible_len: jax.Array,
                          block_size: int) -> jax.Array:
     """The block-causal rule on absolute positions.

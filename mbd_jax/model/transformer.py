@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from mbd_jax.config import ModelConfig
-from mbd_jax.model import layers, layout, moe
+from mbd_jax.model import layers, layout, moe, rope
 from mbd_jax.model.forward_meta import ForwardMeta
 from mbd_jax.model.kv_cache import KVCache, rows_span
 from mbd_jax.parallel.expert import sharded_experts
@@ -108,8 +108,9 @@ class Attention(nn.Module):
                                 cfg.rms_norm_eps)
             k = layers.rms_norm(k, _param(self, "k_norm", (dh,), ("head_dim",), nn.initializers.ones),
                                 cfg.rms_norm_eps)
-        q = layers.apply_rope(q, meta.positions, cfg.rope_theta, cfg.rotary_dim)
-        k = layers.apply_rope(k, meta.positions, cfg.rope_theta, cfg.rotary_dim)
+        inv_freq, scale = rope.frequencies(cfg)
+        q = rope.apply_rope(q, meta.positions, inv_freq, scale)
+        k = rope.apply_rope(k, meta.positions, inv_freq, scale)
 
         if kv is None:  # explicit-mask path over the T tokens themselves
             out = layers.dense_attention(q, k, v, meta.mask)
