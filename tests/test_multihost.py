@@ -19,9 +19,11 @@ import pytest
 from mbd_jax.checkpoint import load_model
 from mbd_jax.config import DecodeConfig
 from mbd_jax.engine import Engine
+from tests.conftest import XLA_TEST_FLAGS
 from tests.live_server import KEY, ROOT, Server, free_port
 
-TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+TWO_DEVICES = {"XLA_FLAGS": f"{XLA_TEST_FLAGS} --xla_force_host_platform_device_count=2",
+               "JAX_PLATFORMS": "cpu"}
 PROMPTS = ["1,20,31,42,53", "1,9,8,7", "1,100,200,300,33,44,55,66,77"]
 
 

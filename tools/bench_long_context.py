@@ -1,0 +1,97 @@
+"""Long context: prefill of one long prompt and decoding after it, per context length and per
+(engine rows, prefill chunk, attention chunk), all in one process.
+
+    python tools/bench_long_context.py --contexts 4096,32768 --variants 1:256:256,8:256:256
+
+The model is a preset (default tiny-random, random weights) with `max_seq_len` raised to fit the
+longest context. For each context a prompt of that many tokens is admitted into row 0 of an
+engine with ROWS rows (the others free); timed: the admission's prefill calls, then decoding
+`--new-tokens` tokens after it (SingleBD, one token per forward: fixed_steps), with every program
+compiled first. Prefill is set against the attention FLOPs it needs. Prints one JSON object per
+row and a table (docs/performance.md, issue 16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny-random", help="a preset")
+    ap.add_argument("--contexts", default="4096,32768", help="comma-separated prompt lengths")
+    ap.add_argument("--variants", default="1:256:256,8:256:256",
+                    help="comma-separated ROWS:PREFILL_CHUNK:ATTENTION_CHUNK")
+    ap.add_argument("--new-tokens", type=int, default=32, help="tokens decoded after the prompt "
+                                                               "(0: prefill only)")
+    args = ap.parse_args()
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    import jax
+    import numpy as np
+
+    from mbd_jax.config import DecodeConfig, load_model_config, resolve_model_path
+    from mbd_jax.engine import Engine
+    from mbd_jax.model.transformer import init_params
+
+    contexts = [int(x) for x in args.contexts.split(",")]
+    base = load_model_config(resolve_model_path(args.model))
+    blk = base.block_size
+    longest = max(contexts) + args.new_tokens + 2 * blk
+    base = dataclasses.replace(base, max_seq_len=-(-longest // blk) * blk, tokenizer=None)
+    base.validate("model")
+    params = init_params(base)
+    decode = DecodeConfig(max_new_tokens=max(args.new_tokens, 1), policy="fixed_steps",
+                          steps_per_block=blk)  # one token per forward
+    rows = []
+    for spec in args.variants.split(","):
+        n_rows, chunk, att = (int(x) for x in spec.split(":"))
+        cfg = dataclasses.replace(base, attention_chunk=att)
+        engine = Engine(cfg, params, batch_size=n_rows, buffer_size=1, prefill_chunk=chunk)
+        prompts = {p: np.random.default_rng(p).integers(10, cfg.vocab_size - 1, p).tolist()
+                   for p in contexts}
+        engine.warmup(buckets=engine.prefill_buckets_for(list(prompts.values())))
+        for p, prompt in prompts.items():
+            t = time.perf_counter()
+            adm = engine.begin_admit({0: (prompt, decode)})
+            calls = 1
+            while not engine.prefill_step(adm):
+                calls += 1
+            jax.block_until_ready(engine.kv)
+            prefill_s = time.perf_counter() - t
+            # Block-causal attention over the prompt: each query sees about half of it; QK^T and
+            # PV are 2 FLOPs per multiply-add each, per layer and query head.
+            attn_flop = cfg.num_layers * cfg.num_heads * cfg.head_dim * 4 * p * p / 2
+            row = {"context": p, "rows": n_rows, "prefill_chunk": chunk, "attention_chunk": att,
+                   "prefill_s": round(prefill_s, 3), "prefill_calls": calls,
+                   "prompt_tokens_per_s": round(p / prefill_s),
+                   "attention_gflops_achieved": round(attn_flop / prefill_s / 1e9, 2)}
+            state = engine.finish_admit(engine.empty_state(), adm)
+            if args.new_tokens:
+                t = time.perf_counter()
+                state = engine.run_decode(state)
+                decode_s = time.perf_counter() - t
+                (result,) = engine.results(state, 1, decode_s, [decode])
+                row.update(decode_s=round(decode_s, 3), new_tokens=result.output_tokens,
+                           forwards=result.nfe,
+                           decode_tokens_per_s=round(result.output_tokens / decode_s, 1),
+                           ms_per_forward=round(1000 * decode_s / max(result.nfe, 1), 2))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print("\n| context | rows | prefill chunk | attention chunk | prefill s | prompt tok/s | "
+          "attention GFLOP/s | decode tok/s | ms / forward |\n|---|---|---|---|---|---|---|---|---|",
+          file=sys.stderr)
+    for r in rows:
+        print(f"| {r['context']} | {r['rows']} | {r['prefill_chunk']} | {r['attention_chunk']} | "
+              f"{r['prefill_s']} | {r['prompt_tokens_per_s']} | {r['attention_gflops_achieved']} | "
+              f"{r.get('decode_tokens_per_s', '-')} | {r.get('ms_per_forward', '-')} |",
+              file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
