@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.live_server import KEY, Server
+from tests.live_server import KEY, OPTIMISED, Server
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 FIXED = {"prompt": "Sort: 3 1 2", "max_tokens": 8}
@@ -27,7 +27,7 @@ LIMITS = {"generation": {"max_new_tokens": 8, "max_new_tokens_limit": 1024, "max
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     srv = Server(tmp_path_factory.mktemp("hardening"), [KEY], sections=LIMITS,
-                 auth_failures_per_min=5, max_batch_size=4)
+                 auth_failures_per_min=5, max_batch_size=4, env=OPTIMISED)
     srv.fixed_before = post(srv, "/v1/completions", FIXED).json()["choices"][0]["text"]
     yield srv
     srv.stop()
