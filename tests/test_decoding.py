@@ -9,7 +9,7 @@ import pytest
 
 from mbd_jax import compile_stats
 from mbd_jax.config import DecodeConfig
-from mbd_jax.decoding import block_buffer
+from mbd_jax.decoding import block_buffer, loop
 from mbd_jax.engine import Engine, admission
 from mbd_jax.errors import UserError
 
@@ -38,6 +38,22 @@ def test_batch_invariance(cfg, params, engine4, decode):
         assert got.token_ids == alone.token_ids
         assert (got.nfe, got.tokens_unmasked) == (alone.nfe, alone.tokens_unmasked)
         assert len(got.token_ids) == 20 and got.finish_reason == "length"
+
+
+def test_a_finished_row_stops_setting_the_attention_length(engine4):
+    """A decode forward's attention runs to the longest visible row: rows that are done (finished
+    or free) read one position, whatever they held, while the running rows read their committed
+    prefix and their window."""
+    cfg = engine4.cfg
+    state = engine4.run_decode(engine4.admit(engine4.empty_state(), {
+        0: ([11] * 40, DecodeConfig(max_new_tokens=8)), 2: ([12] * 9, DecodeConfig(max_new_tokens=8))}))
+    state = engine4.admit(state, {2: ([13] * 20, DecodeConfig(max_new_tokens=8))})
+    host = jax.device_get(state)
+    assert host.done.tolist() == [True, True, False, True] and host.cached_len[0] >= 40
+    meta = jax.device_get(loop.decode_meta(state, 2 * cfg.block_size, cfg.block_size))
+    want_2 = host.cached_len[2] + host.n_valid[2] * cfg.block_size
+    assert meta.visible_len.tolist() == [1, 1, want_2, 1]
+    assert meta.write.tolist() == [False, False, True, False]
 
 
 def test_warm_engine_compiles_nothing_new(engine4):

@@ -38,6 +38,16 @@ def prefill(params: Any, kv: Cache, tokens: jax.Array, start: jax.Array, full_le
     return kv
 
 
+def decode_meta(state: DecodeState, w: int, blk: int) -> ForwardMeta:
+    """The forward over every row's W-token window: it sits right after the row's committed
+    prefix and stores there unless the row is done. Done rows (finished, free) read one position:
+    the attention loop runs to the longest visible row, so a finished long request would
+    otherwise keep every other row's steps that long until its row is reused."""
+    positions = state.cached_len[:, None] + jnp.arange(w, dtype=jnp.int32)  # [B, W]
+    visible = jnp.where(state.done, 1, jnp.maximum(state.cached_len + state.n_valid * blk, 1))
+    return ForwardMeta.cached(positions, state.cached_len, visible, write=~state.done)
+
+
 def decode_step(params: Any, state: DecodeState, kv: Cache, *, apply_fn: ApplyFn,
                 cfg: ModelConfig, n_slots: int, debug: bool = False) -> tuple[DecodeState, Cache]:
     """One forward over every row's buffer (N * blk tokens), unmasking, and the bookkeeping.
@@ -48,9 +58,8 @@ def decode_step(params: Any, state: DecodeState, kv: Cache, *, apply_fn: ApplyFn
     w = n_slots * blk
     p = state.params
     win = block_buffer.window(state, w)  # [B, W]
-    positions = state.cached_len[:, None] + jnp.arange(w, dtype=jnp.int32)
-    visible = jnp.maximum(state.cached_len + state.n_valid * blk, 1)
-    meta = ForwardMeta.cached(positions, state.cached_len, visible, write=~state.done)
+    meta = decode_meta(state, w, blk)
+    positions = meta.positions
     logits, kv = apply_fn({"params": params}, win, meta, kv)
 
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(p.seed, state.nfe)
