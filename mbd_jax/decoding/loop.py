@@ -38,18 +38,21 @@ def prefill(params: Any, kv: Cache, tokens: jax.Array, start: jax.Array, full_le
     return kv
 
 
-def decode_meta(state: DecodeState, w: int, blk: int) -> ForwardMeta:
+def decode_meta(state: DecodeState, w: int, blk: int,
+                rows: jax.Array | None = None) -> ForwardMeta:
     """The forward over every row's W-token window: it sits right after the row's committed
     prefix and stores there unless the row is done. Done rows (finished, free) read one position:
     the attention loop runs to the longest visible row, so a finished long request would
-    otherwise keep every other row's steps that long until its row is reused."""
+    otherwise keep every other row's steps that long until its row is reused. `rows`: the cache
+    row of each state row (None: state row b is cache row b)."""
     positions = state.cached_len[:, None] + jnp.arange(w, dtype=jnp.int32)  # [B, W]
     visible = jnp.where(state.done, 1, jnp.maximum(state.cached_len + state.n_valid * blk, 1))
-    return ForwardMeta.cached(positions, state.cached_len, visible, write=~state.done)
+    return ForwardMeta.cached(positions, state.cached_len, visible, write=~state.done, rows=rows)
 
 
-def decode_step(params: Any, state: DecodeState, kv: Cache, *, apply_fn: ApplyFn,
-                cfg: ModelConfig, n_slots: int, debug: bool = False) -> tuple[DecodeState, Cache]:
+def decode_step(params: Any, state: DecodeState, kv: Cache, rows: jax.Array | None = None, *,
+                apply_fn: ApplyFn, cfg: ModelConfig, n_slots: int,
+                debug: bool = False) -> tuple[DecodeState, Cache]:
     """One forward over every row's buffer (N * blk tokens), unmasking, and the bookkeeping.
     Finished and free rows store nothing in the cache, so a row whose next request is being
     prefilled between decode calls is never overwritten. With `debug`, the Block Buffer
@@ -58,7 +61,7 @@ def decode_step(params: Any, state: DecodeState, kv: Cache, *, apply_fn: ApplyFn
     w = n_slots * blk
     p = state.params
     win = block_buffer.window(state, w)  # [B, W]
-    meta = decode_meta(state, w, blk)
+    meta = decode_meta(state, w, blk, rows)
     positions = meta.positions
     logits, kv = apply_fn({"params": params}, win, meta, kv)
 
@@ -99,11 +102,12 @@ def decode_step(params: Any, state: DecodeState, kv: Cache, *, apply_fn: ApplyFn
     return state, kv
 
 
-def decode_loop(params: Any, state: DecodeState, kv: Cache, max_steps: jax.Array, *,
-                apply_fn: ApplyFn, cfg: ModelConfig, n_slots: int,
-                debug: bool = False) -> tuple[DecodeState, Cache, jax.Array]:
+def decode_loop(params: Any, state: DecodeState, kv: Cache, max_steps: jax.Array,
+                rows: jax.Array | None = None, *, apply_fn: ApplyFn, cfg: ModelConfig,
+                n_slots: int, debug: bool = False) -> tuple[DecodeState, Cache, jax.Array]:
     """Runs decode steps on device until `max_steps` forwards ran or some row finished (so the
-    host can refill it, or return it). Returns the steps run."""
+    host can refill it, or return it). Returns the steps run. `rows`: the cache row of each
+    state row (a state of a few of the cache's rows: only those compute)."""
 
     def cond(carry):
         st, _, steps, event = carry
@@ -111,8 +115,8 @@ def decode_loop(params: Any, state: DecodeState, kv: Cache, max_steps: jax.Array
 
     def body(carry):
         st, cache, steps, _ = carry
-        new_st, cache = decode_step(params, st, cache, apply_fn=apply_fn, cfg=cfg, n_slots=n_slots,
-                                    debug=debug)
+        new_st, cache = decode_step(params, st, cache, rows, apply_fn=apply_fn, cfg=cfg,
+                                    n_slots=n_slots, debug=debug)
         return new_st, cache, steps + 1, jnp.any(new_st.done & ~st.done)
 
     state, kv, steps, _ = jax.lax.while_loop(

@@ -104,6 +104,13 @@ class Engine:
                               debug=debug),
             donate_argnames=("state", "kv"), out_shardings=(replicated, kv_sharding, replicated))
         self._merge = jax.jit(_merge_rows, donate_argnames=("old",), out_shardings=replicated)
+        # One running row decodes alone: its state row taken out, decoded over its cache row
+        # (ForwardMeta.rows), put back; the others would only be computed and discarded.
+        self._take_row = jax.jit(lambda state, row: jax.tree.map(lambda a: a[row], state),
+                                 out_shardings=replicated)
+        self._put_row = jax.jit(
+            lambda state, sub, row: jax.tree.map(lambda a, b: a.at[row].set(b), state, sub),
+            donate_argnums=0, out_shardings=replicated)
         self._host: tuple[DecodeState, DecodeState] | None = None  # (device, host): host_view
         self.prefix_store = prefix_store
         self.prefix_hit_tokens = 0  # prompt tokens served from the prefix store so far
@@ -209,8 +216,15 @@ class Engine:
         t = time.perf_counter()
         if self.offloader is not None:
             self.offloader.decode_issued()
-        state, self.kv, steps = self._decode(self.params, state, self.kv,
-                                             np.int32(max_steps or self.steps_per_call))
+        max_steps = np.int32(max_steps or self.steps_per_call)
+        running = np.flatnonzero(~np.asarray(jax.device_get(state.done)))
+        if len(running) == 1 and self.batch_size > 1:
+            row = self._put(running.astype(np.int32))  # [1]
+            sub, self.kv, steps = self._decode(self.params, self._take_row(state, row), self.kv,
+                                               max_steps, row)
+            state = self._put_row(state, sub, row)
+        else:
+            state, self.kv, steps = self._decode(self.params, state, self.kv, max_steps)
         steps = int(steps)  # waits for the call
         self.call_log.append((time.perf_counter() - t, steps))
         if self.offloader is not None:  # stage what this call committed; drain the last call's
@@ -385,7 +399,9 @@ class Engine:
             self.prefill_seconds_per_token = (time.perf_counter() - t0) / (rows * self.prefill_chunk)
         say(f"compiling the decode loop ({b} rows, N_buf {self.buffer_size})")
         prompt = np.array([self.cfg.pad_token_id], np.int32)
-        state = self.admit(self.empty_state(), {0: (prompt, DecodeConfig(max_new_tokens=1))})
-        self.decode_call(state, 1)
+        one = (prompt, DecodeConfig(max_new_tokens=1))
+        for rows in sorted({1, min(2, b)}):  # one running row alone, and all rows
+            state = self.admit(self.empty_state(), dict.fromkeys(range(rows), one))
+            self.decode_call(state, 1)
         jax.block_until_ready(self.kv)
         say(f"warm-up done in {time.perf_counter() - t_start:.1f} s")
