@@ -40,6 +40,22 @@ def test_batch_invariance(cfg, params, engine4, decode):
         assert len(got.token_ids) == 20 and got.finish_reason == "length"
 
 
+def test_one_running_row_decodes_alone_like_a_one_row_engine(cfg, params, engine4):
+    """A row running alone in a 4-row engine (here row 2, so the row table matters) decodes over
+    its own cache row only, on a warmed program, and gives a 1-row engine's tokens and counts."""
+    decode = DecodeConfig(max_new_tokens=20, buffer_size=2, add_block_threshold=0.0)
+    prompt = np.asarray(PROMPTS[1], np.int32)
+    (alone,) = Engine(cfg, params, batch_size=1, buffer_size=2, prefill_chunk=32).generate(
+        [prompt], decode)
+    before = compile_stats.compiles()
+    state = engine4.run_decode(engine4.admit(engine4.empty_state(), {2: (prompt, decode)}))
+    got = engine4.results(state, 3, 0.0)[2]
+    assert compile_stats.compiles() == before
+    assert got.token_ids == alone.token_ids and len(got.token_ids) == 20
+    assert (got.nfe, got.tokens_unmasked, got.max_active_blocks) == (
+        alone.nfe, alone.tokens_unmasked, alone.max_active_blocks)
+
+
 def test_a_finished_row_stops_setting_the_attention_length(engine4):
     """A decode forward's attention runs to the longest visible row: rows that are done (finished
     or free) read one position, whatever they held, while the running rows read their committed
