@@ -4,9 +4,8 @@ It owns the parameters, the preallocated KV buffer (B rows x S_cap positions) an
 programs (the decode loop over every row and over one running row alone, one prefill per length
 bucket), and turns token-id prompts into results. Shapes are static per engine: nothing compiles
 after `warmup()`. What it runs is planned and read elsewhere in this package: admission.py
-(prefill calls, the rows' settings),
-results.py (a finished row's result and vote), prefix.py (the prefix-cache glue), transfer.py
-(host state onto the device).
+(prefill calls, the rows' settings), results.py (a finished row's result and vote), prefix.py
+(the prefix-cache glue), transfer.py (host state onto the device).
 
 Everything lives on a device mesh (parallel/mesh.py; one device without one): the parameters and
 the KV buffer are split by the rules table, the decode state and every host input are replicated,
