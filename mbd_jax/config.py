@@ -196,9 +196,15 @@ class RopeScaling:
             _check(self.original_max_len > 0, where,
                    f"rope type {self.type} needs field 'original_max_len' > 0 (the pretraining "
                    "context, original_max_position_embeddings)")
+        if self.type == "yarn":
+            _check(self.beta_fast > self.beta_slow > 0, where,
+                   f"fields 'beta_fast' > 'beta_slow' > 0, got {self.beta_fast}, {self.beta_slow}")
+            _check(self.attention_factor is None or self.attention_factor > 0, where,
+                   f"field 'attention_factor' must be > 0 or null, got {self.attention_factor}")
         if self.type == "llama3":
-            _check(self.high_freq_factor > self.low_freq_factor, where,
-                   "field 'high_freq_factor' must exceed 'low_freq_factor'")
+            _check(self.high_freq_factor > self.low_freq_factor > 0, where,
+                   "fields 'high_freq_factor' > 'low_freq_factor' > 0, got "
+                   f"{self.high_freq_factor}, {self.low_freq_factor}")
 
 
 @dataclasses.dataclass(frozen=True)

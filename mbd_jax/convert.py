@@ -65,21 +65,18 @@ def rope_scaling(rope: dict) -> RopeScaling | None:
             raise UserError(f"config.json: rope_type {kind} needs '{key}' in its rope parameters")
         return rope[key]
 
-    out = {"type": kind, "factor": float(need("factor"))}
+    # Values go to RopeScaling as given: from_dict names a field of the wrong type or range.
+    out = {"type": kind, "factor": need("factor")}
     if kind in ("yarn", "llama3"):
-        out["original_max_len"] = int(need("original_max_position_embeddings"))
+        out["original_max_len"] = need("original_max_position_embeddings")
     if kind == "yarn":
         if rope.get("attention_factor") is None and rope.get("mscale") and rope.get("mscale_all_dim"):
             raise UserError("config.json: yarn with mscale / mscale_all_dim is not supported; give "
                             "attention_factor instead")
-        for key in ("beta_fast", "beta_slow", "attention_factor"):
-            if rope.get(key) is not None:
-                out[key] = float(rope[key])
-        if rope.get("truncate") is not None:
-            out["truncate"] = bool(rope["truncate"])
-    if kind == "llama3":
-        out["low_freq_factor"] = float(rope.get("low_freq_factor", 1.0))
-        out["high_freq_factor"] = float(rope.get("high_freq_factor", 4.0))
+        keys = ("beta_fast", "beta_slow", "attention_factor", "truncate")
+    else:
+        keys = ("low_freq_factor", "high_freq_factor") if kind == "llama3" else ()
+    out.update({k: rope[k] for k in keys if rope.get(k) is not None})
     return from_dict(RopeScaling, out, where="config.json rope parameters")
 
 

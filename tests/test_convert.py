@@ -109,6 +109,11 @@ def test_rope_parameters_convert_or_are_refused_by_name():
         rope_scaling({"rope_type": "dynamic", "factor": 2.0})
     with pytest.raises(UserError, match="llama3 needs 'original_max_position_embeddings'"):
         rope_scaling({"rope_type": "llama3", "factor": 8.0})
+    with pytest.raises(UserError, match="field 'factor' must be a finite number, got '4'"):
+        rope_scaling({"rope_type": "linear", "factor": "4"})
+    with pytest.raises(UserError, match="'beta_fast' > 'beta_slow' > 0"):
+        rope_scaling({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                      "beta_fast": 1.0, "beta_slow": 32.0})
 
 
 def torch_block_mask(n: int) -> torch.Tensor:

@@ -120,6 +120,20 @@ def test_two_process_service_answers_like_offline(tmp_path):
             follower.wait(timeout=30)
 
 
+def test_heartbeat_setting_is_checked(monkeypatch):
+    from mbd_jax.errors import UserError
+    from mbd_jax.parallel.multihost import HEARTBEAT_S, heartbeat_seconds
+
+    monkeypatch.delenv("MBD_HEARTBEAT_S", raising=False)
+    assert heartbeat_seconds() == HEARTBEAT_S
+    monkeypatch.setenv("MBD_HEARTBEAT_S", "2.5")
+    assert heartbeat_seconds() == 2.5
+    for bad in ("0", "-1", "soon", "inf"):
+        monkeypatch.setenv("MBD_HEARTBEAT_S", bad)
+        with pytest.raises(UserError, match="MBD_HEARTBEAT_S=.*a number of seconds > 0"):
+            heartbeat_seconds()
+
+
 @pytest.mark.parametrize("flags,needle", [
     (["--process-id", "0"], "--process-id needs --coordinator and --num-processes"),
     (["--coordinator", "127.0.0.1:1"], "needs --num-processes, --process-id too"),

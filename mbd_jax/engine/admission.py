@@ -33,6 +33,11 @@ def prefill_buckets(block_size: int, prefill_chunk: int) -> list[int]:
     return sizes + [prefill_chunk]
 
 
+def runs_alone(tokens: int, row_prefill_min: int) -> bool:
+    """Whether a `tokens`-long chunk (a bucket) runs over its own row: one program per bucket."""
+    return tokens >= row_prefill_min
+
+
 def bucket(tokens: int, block_size: int, prefill_chunk: int) -> int:
     """The compiled prefill length for `tokens` positions (capped at prefill_chunk)."""
     return next(t for t in prefill_buckets(block_size, prefill_chunk)
@@ -79,7 +84,7 @@ def next_round(full_len: np.ndarray, start: np.ndarray, rows: np.ndarray,
     else the shared call, as long as the most any sharing row has left."""
     left = np.where(rows, full_len - start, 0)
     size = np.array([bucket_of(int(n)) if n > 0 else 0 for n in left])
-    own = size >= row_prefill_min
+    own = np.array([runs_alone(int(t), row_prefill_min) for t in size]) & (size > 0)
     shared = (size > 0) & ~own
     calls = [PrefillCall(int(size[i]), row=int(i)) for i in np.nonzero(own)[0]]
     if shared.any():

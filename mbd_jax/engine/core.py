@@ -112,11 +112,13 @@ class Engine:
             lambda state, sub, row: jax.tree.map(lambda a, b: a.at[row].set(b), state, sub),
             donate_argnums=0, out_shardings=replicated)
         self._host: tuple[DecodeState, DecodeState] | None = None  # (device, host): host_view
+        self._done: tuple[DecodeState, np.ndarray] | None = None  # (device, host): done_rows
+        self._row_ids = [self._put(np.array([i], np.int32)) for i in range(batch_size)]
         self.prefix_store = prefix_store
         self.prefix_hit_tokens = 0  # prompt tokens served from the prefix store so far
         self.prefill_seconds_per_token = 0.0  # measured in warmup (with a prefix store)
         self._prefix = None if prefix_store is None else PrefixGlue(
-            prefix_store, cfg, self.cache, self.kv, kv_sharding, replicated, self._put,
+            prefix_store, cfg, self.cache, self.kv.dtype, kv_sharding, replicated, self._put,
             batch_size, offload_blocks_per_call, self.prefill_chunk, self._bucket)
         self.offloader = None if self._prefix is None else self._prefix.offloader
 
@@ -217,9 +219,9 @@ class Engine:
         if self.offloader is not None:
             self.offloader.decode_issued()
         max_steps = np.int32(max_steps or self.steps_per_call)
-        running = np.flatnonzero(~np.asarray(jax.device_get(state.done)))
+        running = np.flatnonzero(~self.done_rows(state))
         if len(running) == 1 and self.batch_size > 1:
-            row = self._put(running.astype(np.int32))  # [1]
+            row = self._row_ids[running[0]]  # [1] on the device
             sub, self.kv, steps = self._decode(self.params, self._take_row(state, row), self.kv,
                                                max_steps, row)
             state = self._put_row(state, sub, row)
@@ -247,10 +249,19 @@ class Engine:
                 trajectory=None, logprob=state.logprob if logprobs else None)))
         return self._host[1]
 
+    def done_rows(self, state: DecodeState) -> np.ndarray:
+        """state.done on the host ([B] bool), fetched once per state: host_view's copy when it
+        has one (the scheduler and the offloader fetch it after every call)."""
+        if self._host is not None and self._host[0] is state:
+            return np.asarray(self._host[1].done)
+        if self._done is None or self._done[0] is not state:
+            self._done = (state, np.asarray(jax.device_get(state.done)))
+        return self._done[1]
+
     def run_decode(self, state: DecodeState, max_calls: int | None = None) -> DecodeState:
         """Decode calls until every row is done (or max_calls calls ran)."""
         calls = 0
-        while not np.all(jax.device_get(state.done)) and (max_calls is None or calls < max_calls):
+        while not np.all(self.done_rows(state)) and (max_calls is None or calls < max_calls):
             state = self.decode_call(state)
             calls += 1
         return state
@@ -342,14 +353,14 @@ class Engine:
     def reset_buffers(self) -> None:
         """A fresh, empty KV buffer (after a failure lost the old one); every row is free."""
         self.kv = self._allocate_kv()
-        self._host = None
+        self._host = self._done = None
         if self.offloader is not None:
             for row in range(self.batch_size):
                 self.offloader.reset_row(row, 0)
 
     def cancel(self, state: DecodeState, rows: Sequence[int]) -> DecodeState:
         """Frees rows (a client went away): they stop at the next step."""
-        done = np.array(jax.device_get(state.done))
+        done = self.done_rows(state).copy()
         done[list(rows)] = True
         return state.replace(done=self._put(done))
 
@@ -369,7 +380,8 @@ class Engine:
 
     def _warm_call(self, t: int, rows: np.ndarray) -> PrefillCall:
         """The call a `t`-token chunk makes (its program): row 0 alone, or the shared one."""
-        return PrefillCall(t, row=0) if t >= self.row_prefill_min else PrefillCall(t, rows=rows)
+        alone = admission.runs_alone(t, self.row_prefill_min)
+        return PrefillCall(t, row=0) if alone else PrefillCall(t, rows=rows)
 
     def warmup(self, progress: Callable[[str], None] | None = None,
                buckets: Sequence[int] | None = None) -> None:

@@ -28,12 +28,12 @@ class PrefixHit:
 
 
 class PrefixGlue:
-    def __init__(self, store: PrefixStore, cfg: ModelConfig, cache: Any, kv: Any,
+    def __init__(self, store: PrefixStore, cfg: ModelConfig, cache: Any, dtype: Any,
                  kv_sharding: Any, replicated: Any, put: Callable[[np.ndarray], jax.Array],
                  batch_size: int, blocks_per_call: int, prefill_chunk: int,
                  bucket_of: Callable[[int], int]):
-        """`cache`: the model's cache type; `kv`: the engine's buffer (its dtype is the entries');
-        `put`: a host array onto the mesh; `bucket_of`: the prefill bucket of a token count."""
+        """`cache`: the model's cache type; `dtype`: its entries'; `put`: a host array onto the
+        mesh; `bucket_of`: the prefill bucket of a token count."""
         if store.block_size != cfg.block_size:
             raise UserError(f"prefix store block size {store.block_size} != the model's "
                             f"{cfg.block_size}")
@@ -42,7 +42,7 @@ class PrefixGlue:
                             "a multi-process launch")
         self.store, self.cfg, self.cache = store, cfg, cache
         self._put, self._bucket_of, self._prefill_chunk = put, bucket_of, prefill_chunk
-        self.dtype = kv.dtype
+        self.dtype = dtype
         block = cache.entry_shape(cfg, cfg.block_size)  # one block's entries
         store.expect(block, self.dtype)
         self._load = jax.jit(lambda kv, entries, row, start: kv.load(entries, row, start),

@@ -34,8 +34,22 @@ log = logging.getLogger(__name__)
 
 ENV = {"coordinator": "MBD_COORDINATOR", "num_processes": "MBD_NUM_PROCESSES",
        "process_id": "MBD_PROCESS_ID"}
-# An idle leader pings the followers this often (they wait in a collective); env MBD_HEARTBEAT_S.
-HEARTBEAT_S = float(os.environ.get("MBD_HEARTBEAT_S", "10"))
+HEARTBEAT_S = 10.0  # an idle leader pings the followers this often (env MBD_HEARTBEAT_S)
+
+
+def heartbeat_seconds() -> float:
+    """MBD_HEARTBEAT_S, else HEARTBEAT_S: how often an idle leader pings the followers (they
+    wait in a collective)."""
+    value = os.environ.get("MBD_HEARTBEAT_S")
+    if value is None:
+        return HEARTBEAT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise UserError(f"MBD_HEARTBEAT_S={value!r}: give a number of seconds > 0")
+    return seconds
 
 
 def add_launch_flags(p: argparse.ArgumentParser) -> None:
@@ -127,10 +141,11 @@ class EngineLeader:
     """Process 0's engine in a multi-process service: every state-changing call is first sent
     to the followers, which make the same call on their engine (`follow`). Reads (cfg,
     host_view, result_of, ...) go straight to the engine. An idle leader sends a heartbeat every
-    HEARTBEAT_S so the followers' wait never times out."""
+    heartbeat_seconds() so the followers' wait never times out."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
+        self.heartbeat_s = heartbeat_seconds()
         self._lock = threading.Lock()  # one call (send + make) at a time, in one order
         self._last = time.monotonic()
         self._closed = False
@@ -149,7 +164,7 @@ class EngineLeader:
         while not self._closed:
             time.sleep(1.0)
             with self._lock:
-                if not self._closed and time.monotonic() - self._last > HEARTBEAT_S:
+                if not self._closed and time.monotonic() - self._last > self.heartbeat_s:
                     share(("noop",))
                     self._last = time.monotonic()
 
