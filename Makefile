@@ -49,7 +49,7 @@ bench: $(VENV)/.installed
 ## make models: retrain the shipped tokenizer, tiny-bd and tiny-mbd from scratch (fixed seeds;
 ## about 45 min on 2 CPU cores, see docs/training.md)
 models: $(VENV)/.installed
-	$(BIN)/python tools/train_tokenizer.py --tasks arith,sort,reverse,recall --out configs/tokenizers/tasks --vocab 384
+	$(BIN)/python tools/train_tokenizer.py --tasks arith,sort,reverse,recall,sortrev --out configs/tokenizers/tasks --vocab 384
 	rm -rf runs/tiny-bd runs/tiny-mbd
 	$(BIN)/mbd-jax train --config configs/train/tiny-bd.yaml --output models/tiny-bd --force
 	$(BIN)/mbd-jax train --config configs/train/tiny-mbd.yaml --output models/tiny-mbd --force

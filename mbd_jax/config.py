@@ -541,6 +541,10 @@ class ServerConfig:
     max_batch_size: int = 8  # rows decoded together
     buffer_size: int = 2  # compiled N_buf: the largest MultiBD buffer a request may use
     prefill_chunk: int = 256
+    # Positions the paged KV pool holds over all rows (whole pages of attention_chunk); null: every
+    # row can hold a full context at once. Smaller pools hold what requests need: a request waits
+    # in the queue until its pages are free, and one that needs more than the pool gets 400.
+    kv_pool_tokens: int | None = None
     steps_per_call: int = 16  # decode steps between host visits (streaming granularity)
     queue_size: int = 256  # waiting requests; beyond -> 429
     queue_timeout_ms: int = 30000  # waiting longer than this -> 504
@@ -580,6 +584,8 @@ class ServerConfig:
                   "max_body_bytes", "max_segments", "rate_limit_burst", "auth_failures_per_min",
                   "max_connections", "keep_alive_s", "max_engine_failures"):
             _check(getattr(self, f) >= 1, where, f"field '{f}' must be >= 1, got {getattr(self, f)}")
+        _check(self.kv_pool_tokens is None or self.kv_pool_tokens >= 1, where,
+               f"field 'kv_pool_tokens' must be >= 1 or null, got {self.kv_pool_tokens}")
         for f in ("rate_limit_per_s", "drain_timeout_s", "drain_min_s"):
             _check(getattr(self, f) >= 0, where, f"field '{f}' must be >= 0, got {getattr(self, f)}")
         for f in ("header_timeout_s", "body_timeout_s"):

@@ -35,22 +35,39 @@ def test_partial_rope_matches_numpy_and_keeps_the_rest():
     np.testing.assert_array_equal(got[..., 8:], x[..., 8:])
 
 
-def test_chunked_attention_equals_dense_over_the_buffer():
+def shuffled_pages(kv: KVCache, seed: int) -> KVCache:
+    """The same cache with its pool pages in a random order (the table follows them) and one
+    spare page of noise: what a page allocator may hand out."""
+    n = kv.num_pages
+    perm = np.random.default_rng(seed).permutation(n + 1)  # new slot of each old page (+ spare)
+    def move(pool):
+        spare = np.full((1,) + pool.shape[1:], 7.0, np.float32)
+        out = np.empty((n + 1,) + pool.shape[1:], np.float32)
+        out[perm] = np.concatenate([np.asarray(pool), spare])
+        return jnp.asarray(out)
+
+    moved = lambda t: tuple(map(move, t)) if isinstance(t, tuple) else jnp.stack(  # noqa: E731
+        [move(x) for x in t])
+    return KVCache(k=moved(kv.k), v=moved(kv.v), table=jnp.asarray(perm[np.asarray(kv.table)]))
+
+
+def test_chunked_attention_equals_dense_over_the_paged_pool():
     rng = np.random.default_rng(1)
     b, t, h, k, dh, s, blk, chunk = 3, 8, 4, 2, 8, 128, 8, 32
     q = jnp.asarray(rng.normal(size=(b, t, h, dh)), jnp.float32)
     kb = jnp.asarray(rng.normal(size=(b, s, k, dh)), jnp.float32)
     vb = jnp.asarray(rng.normal(size=(b, s, k, dh)), jnp.float32)
-    # The buffer holds two layers; layer 1 is kb / vb, layer 0 is noise that must not be read.
+    # The pool holds two layers; layer 1 is kb / vb, layer 0 is noise that must not be read.
     noise = jnp.asarray(rng.normal(size=(b, s, k, dh)), jnp.float32)
-    kv = KVCache(k=jnp.stack([noise, kb]), v=jnp.stack([noise, vb]))
+    dense_rows = KVCache.from_rows(jnp.stack([noise, kb]), jnp.stack([noise, vb]), page=chunk)
     start = np.array([0, 40, 96])  # rows at different offsets; last one spans 3 chunks
     pos = jnp.asarray(start[:, None] + np.arange(t))
     visible = jnp.asarray(start + t)
     dense = layers.dense_attention(q, kb, vb, layers.block_causal_visible(pos, jnp.arange(s), visible, blk))
-    chunked = jax.jit(layers.chunked_attention, static_argnums=(5, 6))(q, kv, jnp.int32(1), pos,
-                                                                        visible, blk, chunk)
-    np.testing.assert_allclose(np.asarray(chunked), np.asarray(dense), atol=1e-5)
+    attend = jax.jit(layers.chunked_attention, static_argnums=(5, 6))
+    for kv in (dense_rows, shuffled_pages(dense_rows, 0)):  # the page table is what is read
+        chunked = attend(q, kv, jnp.int32(1), pos, visible, blk, chunk)
+        np.testing.assert_allclose(np.asarray(chunked), np.asarray(dense), atol=1e-5)
     # And dense against a direct NumPy softmax for one query.
     bi, ti, hi = 2, 3, 1
     p = int(pos[bi, ti])
@@ -63,28 +80,36 @@ def test_chunked_attention_equals_dense_over_the_buffer():
 
 
 def test_kv_write_puts_each_row_at_its_offset_in_one_layer():
-    """Both forms of the buffer (stacked for scanned layers, per layer for unrolled ones) write
-    the same positions and leave the other layers alone; a row the metadata does not select for
-    writing keeps what it had."""
+    """Both forms of the pool (stacked for scanned layers, per layer for unrolled ones), with
+    pages in order or shuffled, write the same positions and leave the other layers alone; a row
+    the metadata does not select for writing keeps what it had; a position without a page is
+    dropped."""
     zeros = jnp.zeros((3, 2, 16, 1, 1), jnp.float32)  # [L, B, S, K, Dh]
     new = jnp.ones((2, 3, 1, 1), jnp.float32) * jnp.array([1.0, 2.0])[:, None, None, None]
     meta = ForwardMeta.cached(jnp.zeros((2, 3), jnp.int32), jnp.array([0, 5]), jnp.full(2, 16))
-    stacked = jax.jit(KVCache.write)(KVCache(k=zeros, v=zeros), jnp.int32(1), new, -new, meta)
-    per_layer = KVCache(k=tuple(zeros), v=tuple(zeros)).write(1, new, -new, meta)
+    stacked = KVCache.from_rows(zeros, zeros, page=4)
+    per_layer = KVCache.from_rows(tuple(zeros), tuple(zeros), page=4)
     assert stacked.stacked and not per_layer.stacked
     only_row_1 = meta.replace(write=jnp.array([False, True]))
-    for kv in (stacked, per_layer):
-        k = np.stack([np.asarray(a) for a in (kv.k if not kv.stacked else list(kv.k))])[..., 0, 0]
-        v = np.stack([np.asarray(a) for a in (kv.v if not kv.stacked else list(kv.v))])[..., 0, 0]
-        assert k[1, 0].tolist() == [1, 1, 1] + [0] * 13
-        assert k[1, 1].tolist() == [0] * 5 + [2, 2, 2] + [0] * 8
-        np.testing.assert_array_equal(v[1], -k[1])
-        assert not k[[0, 2]].any() and not v[[0, 2]].any()  # other layers untouched
+    for start in (stacked, per_layer, shuffled_pages(stacked, 1), shuffled_pages(per_layer, 2)):
+        kv = jax.jit(KVCache.write, static_argnums=1)(start, 1, new, -new, meta)
+        k, v = (np.asarray(a)[..., 0, 0] for a in kv.rows_view())  # [L, B, S]
+        k0 = np.asarray(start.rows_view()[0])[..., 0, 0]
+        assert k[1, 0].tolist() == [1, 1, 1] + k0[1, 0, 3:].tolist()
+        assert k[1, 1].tolist() == k0[1, 1, :5].tolist() + [2, 2, 2] + k0[1, 1, 8:].tolist()
+        np.testing.assert_array_equal(v[1, :, :8], -k[1, :, :8])
+        np.testing.assert_array_equal(k[[0, 2]], k0[[0, 2]])  # other layers untouched
         again = kv.write(1, 5 * new, -5 * new, only_row_1)
-        k2 = np.stack([np.asarray(a) for a in (again.k if not again.stacked
-                                               else list(again.k))])[..., 0, 0]
+        k2 = np.asarray(again.rows_view()[0])[..., 0, 0]
         assert k2[1, 0].tolist() == k[1, 0].tolist()  # not selected: unchanged
-        assert k2[1, 1].tolist() == [0] * 5 + [10, 10, 10] + [0] * 8
+        assert k2[1, 1].tolist() == k0[1, 1, :5].tolist() + [10, 10, 10] + k0[1, 1, 8:].tolist()
+    # row 1 without the page of positions 4..7: its write (5..7) is dropped, not put elsewhere,
+    # and reading that page gives zeros
+    holed = stacked.with_table(stacked.table.at[1, 1].set(stacked.num_pages))
+    kv = holed.write(1, new, -new, meta)
+    pool = np.asarray(kv.k)[..., 0, 0]  # [L, P, page]
+    assert pool[1].sum() == 3 and pool[[0, 2]].sum() == 0  # row 0's three 1s only
+    assert not np.asarray(kv.rows_view()[0])[1, 1].any()
 
 
 def test_every_parameter_carries_logical_axes(cfg, params):

@@ -94,7 +94,7 @@ def test_expert_parallel_forward_equals_unsharded_on_8_cpu_devices():
         e, d, f = row["experts_global"]
         assert row["experts_local"] == [e // expert, d, f // tensor], row
         assert row["q_local"][1] == 8 // tensor, row  # heads split on tensor
-        assert row["kv_local"] == [2 // data, 64, 8 // tensor, 16], row
+        assert row["kv_local"] == [2, 64, 8 // tensor, 16], row  # KV pages: on every data shard
         size = lambda shape: math.prod(int(n) for n in shape[4:-1].split(","))  # noqa: E731
         assert 2 * 24 // data * row["hidden"] in map(size, row["all_reduce"]), row  # the combine
         for shape in row["all_gather"]:  # routing logits may be gathered, expert weights never
@@ -148,8 +148,8 @@ def test_sharded_engine_generates_the_same_tokens():
         assert got["again"] == one["tokens"], spec
         assert got["compiles"] == 0, spec
         sizes = meshlib.parse_mesh(spec.removeprefix("scan: "), 8)
-        b, s, k, dh = got["kv_global"]  # tiny-moe: 2 KV heads, 8 experts of width 128
-        assert got["kv_local"] == [b // sizes["data"], s, k // sizes["tensor"], dh], spec
+        p, page, k, dh = got["kv_global"]  # tiny-moe: 2 KV heads, 8 experts of width 128
+        assert got["kv_local"] == [p, page, k // sizes["tensor"], dh], spec  # pages: every shard
         assert got["kv_stacked"] == spec.startswith("scan"), spec  # the form follows the loop
         assert got["experts_local"] == [8 // sizes["expert"], 128, 128 // sizes["tensor"]], spec
 

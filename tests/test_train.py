@@ -233,7 +233,10 @@ def test_expert_bias_balances_a_router_skewed_to_one_expert(loop):
         assert np.all(np.isclose(np.abs(step), rate) | (step == 0)), step
         assert (step > 0).any()  # experts below the mean go up
     history = [trainer.train_step()["max_load"] for _ in range(8)]
-    assert history[-1] < 0.6 * first["max_load"], history
+    # expert 0's lead is gone after 2.0 / (2 x 0.25) = 4 steps; from there the loads are the
+    # (untrained) router's own, about 0.6 x E/k on this data, where a frozen bias stays at E/k
+    # (a step of 0.25 dwarfs the untrained router's logits, so a step may overshoot: the median)
+    assert history[:3] == [e / k] * 3 and np.median(history[4:]) < 0.65 * first["max_load"], history
 
     # Rate 0 (balance_experts is train_step's last move, after the optimizer's): the biases stay
     # where they were under uneven loads (a second compiled step would only repeat the above).

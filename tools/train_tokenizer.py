@@ -1,7 +1,7 @@
 """Trains the tiny sentencepiece tokenizer from the text the repo ships (deterministic).
 
     python tools/train_tokenizer.py [--corpus data/corpus.txt] [--out configs/tokenizers/tiny] [--vocab 512]
-    python tools/train_tokenizer.py --tasks arith,sort,reverse,recall --out configs/tokenizers/tasks --vocab 384
+    python tools/train_tokenizer.py --tasks arith,sort,reverse,recall,sortrev --out configs/tokenizers/tasks --vocab 384
 
 With --tasks, the corpus is rendered task examples (mbd_jax/train/tasks.py, seed 0) plus
 data/corpus.txt, so the trained models' tokenizer still encodes any text (byte fallback).

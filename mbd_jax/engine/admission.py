@@ -62,7 +62,9 @@ class Admission:
     prompts: list[np.ndarray]
     full_len: np.ndarray  # [B] full prompt blocks to prefill per row
     fresh: DecodeState
-    start: np.ndarray  # [B] prompt positions [0, start) of each row are in the KV buffer
+    start: np.ndarray  # [B] prompt positions [0, start) of each row are in the KV pool
+    keys: dict[int, list[bytes]] = dataclasses.field(default_factory=dict)  # each row's prompt
+    # page keys (engine/pages.py), indexed once the prefill is done
 
     @property
     def prefilled(self) -> bool:

@@ -1,7 +1,8 @@
 """Engine: the thin stateful shell around the pure model and decoding functions.
 
-It owns the parameters, the preallocated KV buffer (B rows x S_cap positions) and the compiled
-programs (the decode loop over every row and over one running row alone, one prefill per length
+It owns the parameters, the paged KV pool (model/kv_cache.py) with its page accounting
+(pages.py: a row holds pages for the positions it can write from admission to release), and the
+compiled programs (the decode loop over every row and over one running row alone, one prefill per length
 bucket), and turns token-id prompts into results. Shapes are static per engine: nothing compiles
 after `warmup()`. What it runs is planned and read elsewhere in this package: admission.py
 (prefill calls, the rows' settings), results.py (a finished row's result and vote), prefix.py
@@ -32,6 +33,7 @@ from mbd_jax.decoding import block_buffer, loop
 from mbd_jax.decoding.block_buffer import DecodeState
 from mbd_jax.engine import admission, results
 from mbd_jax.engine.admission import ROW_PREFILL_MIN, Admission, PrefillCall, prefill_buckets
+from mbd_jax.engine.pages import PagePool, page_keys
 from mbd_jax.engine.prefix import PrefixGlue, PrefixHit
 from mbd_jax.engine.results import GenerationResult
 from mbd_jax.engine.transfer import RowPacker
@@ -55,7 +57,8 @@ class Engine:
                  prefill_chunk: int = 256, steps_per_call: int = 64, debug: bool = False,
                  tokenizer: Tokenizer | None = None, record_steps: int = 0, record_len: int = 0,
                  prefix_store: PrefixStore | None = None, offload_blocks_per_call: int = 64,
-                 mesh: jax.sharding.Mesh | None = None, row_prefill_min: int = ROW_PREFILL_MIN):
+                 mesh: jax.sharding.Mesh | None = None, row_prefill_min: int = ROW_PREFILL_MIN,
+                 kv_pool_tokens: int | None = None, share_prefixes: bool = True):
         """batch_size rows decode together; buffer_size is the compiled N_buf (requests may use
         less); with `debug`, every decode step checks the Block Buffer invariants and a broken
         one raises (slower: the check scans each row's canvas). With a tokenizer, results carry
@@ -64,7 +67,11 @@ class Engine:
         With a prefix store, admitted prompts reuse stored leading blocks and committed blocks
         are persisted after every decode call (double-buffered, cache/offload.py). `mesh`: the
         devices to run on (default: the first device). `row_prefill_min`: prefill chunks of at
-        least this many tokens run one row at a time (ROW_PREFILL_MIN)."""
+        least this many tokens run one row at a time (ROW_PREFILL_MIN). `kv_pool_tokens`: the
+        positions the KV pool holds over all rows (rounded up to whole pages; default: every
+        row can hold a full context at once); a request waits until its pages are free.
+        `share_prefixes`: a prompt whose leading pages match a prefilled prompt's maps those
+        pages instead of prefilling them (pages.py; needs pages of whole blocks)."""
         if prefill_chunk < cfg.block_size or prefill_chunk % cfg.block_size:
             raise UserError(f"prefill_chunk ({prefill_chunk}) must be a positive multiple of "
                             f"block_size ({cfg.block_size})")
@@ -92,10 +99,20 @@ class Engine:
         # writes at most one decode window or one prefill chunk, starting before max_seq_len.
         self.cache = cache_type(cfg)
         self.capacity = self.cache.capacity_for(cfg, max(self.prefill_chunk, window))
-        kv_sharding = meshlib.cache_shardings(cfg, self.mesh, batch_size, self.capacity)
-        self._allocate_kv = jax.jit(lambda: self.cache.allocate(cfg, batch_size, self.capacity),
-                                    out_shardings=kv_sharding)
+        page = self.cache.page_size(cfg)
+        per_row = self.capacity // page
+        n_pages = batch_size * per_row if kv_pool_tokens is None else -(-kv_pool_tokens // page)
+        if n_pages < 1:
+            raise UserError(f"kv_pool_tokens must be >= 1, got {kv_pool_tokens}")
+        self.pages = PagePool(n_pages, page, batch_size, per_row)
+        self.share_prefixes = share_prefixes and page % cfg.block_size == 0
+        kv_sharding = meshlib.cache_shardings(cfg, self.mesh, batch_size, self.capacity, n_pages)
+        self._table_sharding = kv_sharding.table
+        self._allocate_kv = jax.jit(
+            lambda: self.cache.allocate(cfg, batch_size, self.capacity, n_pages),
+            out_shardings=kv_sharding)
         self.kv = self._allocate_kv()
+        self._sync_table()
         apply_fn = Transformer(cfg, self.mesh).apply
         self._prefill = jax.jit(functools.partial(loop.prefill, apply_fn=apply_fn),
                                 donate_argnames=("kv",), out_shardings=kv_sharding)
@@ -135,6 +152,16 @@ class Engine:
             raise UserError(f"{where}: token id {bad[0]} is not allowed; ids must be in "
                             f"[0, {cfg.vocab_size}) and not the mask id {cfg.mask_token_id}")
 
+    def check_fits(self, prompt: Sequence[int], d: DecodeConfig, where: str = "decoding") -> None:
+        """A request that needs more KV pages than the whole pool can never run."""
+        need = self.pages_needed(prompt, d)
+        if need > self.pages.num_pages:
+            page = self.pages.page
+            raise UserError(f"{where}: max_new_tokens {d.max_new_tokens} with a {len(prompt)}-token "
+                            f"prompt needs {need} KV pages of {page} positions; this engine's pool "
+                            f"has {self.pages.num_pages} ({self.pages.num_pages * page} positions): "
+                            "ask for fewer tokens")
+
     def check_decode(self, d: DecodeConfig, where: str = "decoding") -> None:
         if d.buffer_size > self.buffer_size:
             raise UserError(f"{where}: buffer_size {d.buffer_size} exceeds this engine's "
@@ -142,6 +169,45 @@ class Engine:
         if d.voting is not None and (self.record == (0, 0) or self.tokenizer is None):
             raise UserError(f"{where}: voting needs an engine that records trajectories and has a "
                             "tokenizer (record_steps, record_len, tokenizer)")
+
+    # ---------------------------------------------------------------- KV pages
+    def _positions_held(self, prompt: Sequence[int], d: DecodeConfig) -> int:
+        """Positions a request holds pages for while it runs: every one it can write (its prompt
+        and new tokens up to the model's length, to the end of their block, plus one decode
+        window of the engine's buffer). Nothing is allocated mid-decode."""
+        blk = self.cfg.block_size
+        limit = min(len(prompt) + d.max_new_tokens, self.cfg.max_seq_len)
+        return -(-limit // blk) * blk + self.buffer_size * blk
+
+    def pages_needed(self, prompt: Sequence[int], d: DecodeConfig) -> int:
+        """Pool pages a request holds while it runs (shared prefix pages included)."""
+        return self.pages.pages_for(self._positions_held(prompt, d))
+
+    def _prefix_pages(self, prompt: Sequence[int]) -> tuple[list[bytes], list[int]]:
+        """(the keys of the prompt's whole pages inside its full blocks, the leading ones
+        found in the pool: a prefix hit)."""
+        if not self.share_prefixes:
+            return [], []
+        blk = self.cfg.block_size
+        keys = page_keys(prompt, self.pages.page, len(prompt) // blk * blk)
+        return keys, self.pages.lookup(keys)
+
+    def pages_to_admit(self, prompt: Sequence[int], d: DecodeConfig) -> int:
+        """Free pages admitting this request takes now (what a shared prefix saves is not
+        counted): the scheduler admits the queue's head while this is <= pages.free."""
+        return self.pages.cost(self._positions_held(prompt, d), self._prefix_pages(prompt)[1])
+
+    def _sync_table(self) -> None:
+        """The device cache reads the host page table (after pages were taken or given back)."""
+        self.kv = self.kv.with_table(jax.device_put(self.pages.table, self._table_sharding))
+
+    def release(self, rows: Sequence[int]) -> None:
+        """Gives back the KV pages of finished rows (their results were read): the pool is
+        what the running requests need. A released row's writes go nowhere until it is
+        admitted again."""
+        for row in rows:
+            self.pages.release(int(row))
+        self._sync_table()
 
     # ---------------------------------------------------------------- host -> device state
     def initial_state(self, prompts: list[np.ndarray], decodes: list[DecodeConfig],
@@ -192,10 +258,21 @@ class Engine:
         for i, (p, d) in enumerate(zip(prompts, decodes)):
             self.check_prompt(p, where=f"prompt[{i}]")
             self.check_decode(d, where=f"decoding[{i}]")
+            self.check_fits(p, d, where=f"decoding[{i}]")
+        self.release(range(self.batch_size))  # generate owns every row (the last call's too)
         results: list[GenerationResult] = []
-        for s in range(0, len(prompts), self.batch_size):
-            results += self._generate_batch([np.asarray(p, np.int32) for p in prompts[s: s + self.batch_size]],
-                                            decodes[s: s + self.batch_size])
+        s = 0
+        while s < len(prompts):  # as many as fit in the rows and the KV pool at once
+            e, pages = s, 0
+            while e < len(prompts) and e - s < self.batch_size and (
+                    pages + self.pages_to_admit(prompts[e], decodes[e]) <= self.pages.free):
+                pages += self.pages_to_admit(prompts[e], decodes[e])
+                e += 1
+            results += self._generate_batch([np.asarray(p, np.int32) for p in prompts[s: e]],
+                                            decodes[s: e])
+            s = e
+            if s < len(prompts):
+                self.release(range(self.batch_size))
         return results
 
     def _generate_batch(self, prompts: list[np.ndarray], decodes: list[DecodeConfig]) -> list[GenerationResult]:
@@ -310,16 +387,37 @@ class Engine:
         for row, (prompt, decode) in requests.items():
             self.check_prompt(prompt)
             self.check_decode(decode)
+            self.check_fits(prompt, decode)
             rows[row], prompts[row], decodes[row] = True, np.asarray(prompt, np.int32), decode
+        for row in requests:  # the rows' old pages back first, then every row's new ones
+            self.pages.release(row)
+        if sum(self.pages_to_admit(prompts[r], decodes[r]) for r in requests) > self.pages.free:
+            raise RuntimeError("KV pool: admitted requests need more pages than are free (the "
+                               "caller checks pages_to_admit against pages.free)")
         start = np.zeros(self.batch_size, np.int32)
+        keys = {}
+        for row in requests:  # a prefix in the pool is mapped, not prefilled
+            keys[row], hit = self._prefix_pages(prompts[row])
+            self.pages.reserve(row, self._positions_held(prompts[row], decodes[row]), shared=hit)
+            start[row] = len(hit) * self.pages.page
+        self._sync_table()
         if self._prefix is not None:
-            for row in requests:
-                self.kv, start[row] = self._prefix.load(self.kv, row, prompts[row],
-                                                        (prefetched or {}).get(row))
+            for row in requests:  # the store serves a prompt the pool missed
+                if start[row]:
+                    self._prefix.skip(row, int(start[row]))
+                else:
+                    self.kv, start[row] = self._prefix.load(self.kv, row, prompts[row],
+                                                            (prefetched or {}).get(row))
         self.prefix_hit_tokens += int(start.sum())
         full_len = admission.full_blocks(prompts, rows, self.cfg.block_size)
         return Admission(rows=rows, prompts=prompts, full_len=full_len,
-                         fresh=self.initial_state(prompts, decodes, done=~rows), start=start)
+                         fresh=self.initial_state(prompts, decodes, done=~rows), start=start,
+                         keys=keys)
+
+    def _index_prompts(self, adm: Admission) -> None:
+        """The admitted prompts are prefilled: their whole pages join the pool's prefix index."""
+        for row, keys in adm.keys.items():
+            self.pages.register(row, keys)
 
     def prefill_step(self, adm: Admission) -> bool:
         """The next prefill chunk of every admitted row with prompt blocks left; True once all
@@ -332,6 +430,7 @@ class Engine:
 
     def finish_admit(self, state: DecodeState, adm: Admission) -> DecodeState:
         """Merges the admitted rows' fresh state into the running state (one compiled program)."""
+        self._index_prompts(adm)
         return self._merge(state, adm.fresh, self._put(adm.rows))
 
     def admit(self, state: DecodeState | None,
@@ -342,7 +441,10 @@ class Engine:
         adm = self.begin_admit(requests)
         while not self.prefill_step(adm):
             pass
-        return adm.fresh if state is None else self.finish_admit(state, adm)
+        if state is None:
+            self._index_prompts(adm)
+            return adm.fresh
+        return self.finish_admit(state, adm)
 
     def buffers_intact(self, state: DecodeState) -> bool:
         """Whether the KV buffer and `state` still hold their device memory (a call that failed
@@ -353,6 +455,9 @@ class Engine:
     def reset_buffers(self) -> None:
         """A fresh, empty KV buffer (after a failure lost the old one); every row is free."""
         self.kv = self._allocate_kv()
+        pool = self.pages  # a fresh pool: the old one's prefix pages are gone with the buffer
+        self.pages = PagePool(pool.num_pages, pool.page, self.batch_size, pool.pages_per_row)
+        self._sync_table()
         self._host = self._done = None
         if self.offloader is not None:
             for row in range(self.batch_size):
@@ -415,5 +520,6 @@ class Engine:
         for rows in sorted({1, min(2, b)}):  # one running row alone, and all rows
             state = self.admit(self.empty_state(), dict.fromkeys(range(rows), one))
             self.decode_call(state, 1)
+            self.release(range(rows))
         jax.block_until_ready(self.kv)
         say(f"warm-up done in {time.perf_counter() - t_start:.1f} s")

@@ -78,6 +78,11 @@ class PrefixGlue:
         self.offloader.reset_row(row, tokens // self.cfg.block_size)
         return kv, tokens
 
+    def skip(self, row: int, tokens: int) -> None:
+        """The row's first `tokens` prompt positions came from the pool's shared pages: they
+        were persisted when first prefilled, so the offloader starts after them."""
+        self.offloader.reset_row(row, tokens // self.cfg.block_size)
+
     def warm_load(self, kv: Any, tokens: int) -> Any:
         """Compiles loading `tokens` cached positions (a bucket) into a row (row 0, before any
         request)."""

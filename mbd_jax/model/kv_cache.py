@@ -1,29 +1,38 @@
-"""The attention layers' cache: a preallocated KV buffer, the one cache type the model has today.
+"""The attention layers' cache: a paged KV pool, the one cache type the model has today.
 
 The model owns its cache layout (model/transformer.py's `cache_type`); everything outside the
 model (the engine, the offloader, the prefix store, the mesh rules) reaches it only through this
 class's interface:
 
-- `allocate(cfg, batch, capacity)` and `logical_axes(cfg)`, a tree shaped like the cache whose
-  leaves name each axis (the mesh rules shard the cache from it);
+- `allocate(cfg, batch, capacity, pages)` and `logical_axes(cfg)`, a tree shaped like the cache
+  whose leaves name each axis (the mesh rules shard the cache from it);
+- `page_size(cfg)`, `with_table(table)`: the engine's page allocator (engine/pages.py) decides
+  which pool pages hold each row's positions and hands the table in;
 - `entry_shape(cfg, tokens)`: one row's entries for `tokens` consecutive positions as one host
   array (what the prefix store keeps per block); `gather` takes them out of the cache for several
   (row, start) pairs at once, `join` makes one span of consecutive stored ones, `load` puts a
   span into one row;
-- `write(layer, k, v, meta)`, `layer(i)` and `rows_span(...)`: what the attention layer does with it,
+- `write(layer, k, v, meta)`, `layer(i)` and `span(...)`: what the attention layer does with it,
   where `meta` (model/forward_meta.py) says which cache row each input row is, where its new
   entries go and which rows store them.
 
-The buffer comes in one of two forms the model's layer loop picks:
+Layout. Every layer has a pool of P pages of `page` positions ([P, page, K, Dh] for k and for v);
+the page table ([B, capacity / page] int32) maps row b's logical page i (positions
+[i * page, (i + 1) * page)) to a pool page. A table entry of P or more maps nothing: writes there
+are dropped and reads give zeros (attention never reads past a row's visible length, and the
+engine gives a row pages for every position it can write). A page is one attention chunk, so the
+attention loop reads one page per row per step. The pool holds what requests need, not rows x
+the longest context: memory follows the tokens in flight.
 
-- unrolled layers: k and v are tuples of L arrays [B, S_max, K, Dh], one per layer;
-- scanned layers: k and v are single [L, B, S_max, K, Dh] arrays (the scan carries them and
+The pool comes in one of two forms the model's layer loop picks:
+
+- unrolled layers: k and v are tuples of L arrays [P, page, K, Dh], one per layer;
+- scanned layers: k and v are single [L, P, page, K, Dh] arrays (the scan carries them and
   indexes them with a traced layer number).
 
 XLA:CPU updates a per-layer array in place but copied the stacked one for every layer of an
-unrolled forward (half the batch-16 decode speed, docs/performance.md), hence two forms. Row b is
-request slot b and index s holds absolute position s. The buffer is allocated once per engine and
-donated to every jitted call.
+unrolled forward (half the batch-16 decode speed, docs/performance.md), hence two forms. The pool
+is allocated once per engine and donated to every jitted call.
 """
 
 from __future__ import annotations
@@ -38,30 +47,61 @@ import numpy as np
 from mbd_jax.config import ModelConfig
 from mbd_jax.model.forward_meta import ForwardMeta
 
-_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")  # of a stacked k or v
+_AXES = ("layers", "pages", "page", "kv_heads", "head_dim")  # of a stacked k or v
+_TABLE_AXES = (None, None)  # the page table is replicated: every device reads every row's pages
 
 
 @flax.struct.dataclass
 class KVCache:
-    k: jax.Array | tuple[jax.Array, ...]  # [L, B, S_max, K, Dh] or L x [B, S_max, K, Dh]
+    k: jax.Array | tuple[jax.Array, ...]  # [L, P, page, K, Dh] or L x [P, page, K, Dh]
     v: jax.Array | tuple[jax.Array, ...]
+    table: jax.Array  # [B, capacity / page] int32: the pool page of each row's logical page
 
     # ------------------------------------------------------------ outside the model
+    @staticmethod
+    def page_size(cfg: ModelConfig) -> int:
+        """Positions per page: one attention chunk."""
+        return cfg.attention_chunk
+
     @classmethod
-    def allocate(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=None) -> KVCache:
-        """Zeros in the form `cfg`'s layer loop reads (model/layout.py)."""
+    def allocate(cls, cfg: ModelConfig, batch: int, capacity: int, pages: int | None = None,
+                 dtype=None) -> KVCache:
+        """A zero pool of `pages` pages (default batch x capacity / page: every row can hold
+        `capacity` positions at once) in the form `cfg`'s layer loop reads (model/layout.py).
+        The table starts as the identity (row b's pages [b * n, (b + 1) * n)) when the pool has
+        room for it, else maps nothing."""
         from mbd_jax.model import layout
 
+        page = cls.page_size(cfg)
         dtype = jnp.dtype(dtype or cfg.compute_dtype)
-        if capacity % cfg.attention_chunk:
-            raise ValueError(f"KV capacity {capacity} must be a multiple of attention_chunk "
-                             f"{cfg.attention_chunk}")
-        shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+        if capacity % page:
+            raise ValueError(f"KV capacity {capacity} must be a multiple of the page size "
+                             f"(attention_chunk) {page}")
+        per_row = capacity // page
+        pages = batch * per_row if pages is None else pages
+        identity = jnp.arange(batch * per_row, dtype=jnp.int32).reshape(batch, per_row)
+        table = identity if pages >= batch * per_row else jnp.full((batch, per_row), pages, jnp.int32)
+        shape = (pages, page, cfg.num_kv_heads, cfg.head_dim)
         if layout.scanned(cfg):
             return cls(k=jnp.zeros((cfg.num_layers,) + shape, dtype),
-                       v=jnp.zeros((cfg.num_layers,) + shape, dtype))
+                       v=jnp.zeros((cfg.num_layers,) + shape, dtype), table=table)
         zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # noqa: E731
-        return cls(k=zeros(), v=zeros())
+        return cls(k=zeros(), v=zeros(), table=table)
+
+    @classmethod
+    def from_rows(cls, k, v, page: int) -> KVCache:
+        """A cache holding dense per-row buffers ([..., B, S, K, Dh], stacked or a tuple of
+        layers) with the identity table: row b, position s at page b * S / page + s // page."""
+        def to_pages(a):
+            *lead, b, s, kh, dh = a.shape
+            return a.reshape(*lead, b * s // page, page, kh, dh)
+
+        first = k if not isinstance(k, tuple) else k[0]
+        b, s = first.shape[-4], first.shape[-3]
+        table = jnp.arange(b * s // page, dtype=jnp.int32).reshape(b, s // page)
+        if isinstance(k, tuple):
+            return cls(k=tuple(map(to_pages, k)), v=tuple(map(to_pages, v)), table=table)
+        return cls(k=to_pages(k), v=to_pages(v), table=table)
 
     @classmethod
     def logical_axes(cls, cfg: ModelConfig) -> KVCache:
@@ -69,16 +109,17 @@ class KVCache:
         from mbd_jax.model import layout
 
         if layout.scanned(cfg):
-            return cls(k=_AXES, v=_AXES)
-        return cls(k=(_AXES[1:],) * cfg.num_layers, v=(_AXES[1:],) * cfg.num_layers)
+            return cls(k=_AXES, v=_AXES, table=_TABLE_AXES)
+        return cls(k=(_AXES[1:],) * cfg.num_layers, v=(_AXES[1:],) * cfg.num_layers,
+                   table=_TABLE_AXES)
 
-    @staticmethod
-    def capacity_for(cfg: ModelConfig, max_write: int) -> int:
-        """S_max for positions [0, max_seq_len) plus `max_write` (the longest write a forward
-        makes, which may start at the last position), rounded up to the attention chunk so chunk
-        slices never clamp."""
-        need = cfg.max_seq_len + max_write
-        return -(-need // cfg.attention_chunk) * cfg.attention_chunk
+    @classmethod
+    def capacity_for(cls, cfg: ModelConfig, max_write: int) -> int:
+        """A row's positions: [0, max_seq_len) plus `max_write` (the longest write a forward
+        makes, which may start at the last position), rounded up to whole pages so chunk
+        reads never clamp."""
+        need, page = cfg.max_seq_len + max_write, cls.page_size(cfg)
+        return -(-need // page) * page
 
     @staticmethod
     def entry_shape(cfg: ModelConfig, tokens: int) -> tuple[int, ...]:
@@ -92,6 +133,10 @@ class KVCache:
         span = np.concatenate(entries, axis=2)  # the token axis of entry_shape
         return np.pad(span, [(0, 0), (0, 0), (0, tokens - span.shape[2]), (0, 0), (0, 0)])
 
+    def with_table(self, table: jax.Array) -> KVCache:
+        """The same pool read through another page table ([B, capacity / page] int32)."""
+        return self.replace(table=table)
+
     @property
     def stacked(self) -> bool:
         return not isinstance(self.k, tuple)
@@ -101,8 +146,17 @@ class KVCache:
         return self.k.shape[0] if self.stacked else len(self.k)
 
     @property
-    def capacity(self) -> int:
+    def page(self) -> int:
         return self.layer(0)[0].shape[1]
+
+    @property
+    def num_pages(self) -> int:
+        return self.layer(0)[0].shape[0]
+
+    @property
+    def capacity(self) -> int:
+        """Positions per row: the logical length every row's page table covers."""
+        return self.table.shape[1] * self.page
 
     @property
     def kv_heads(self) -> int:
@@ -113,88 +167,92 @@ class KVCache:
         return self.layer(0)[0].dtype
 
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in jax.tree.leaves(self))
+        """Bytes of the pool (k and v of every layer; the table is not counted)."""
+        return sum(a.nbytes for a in jax.tree.leaves((self.k, self.v)))
+
+    def _where(self, rows: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(pool page, slot in it) of positions [R, T] of cache rows [R]; a position without a
+        page (or past the capacity) gets page num_pages: out of range, so dropped or zero."""
+        logical = positions // self.page
+        inside = logical < self.table.shape[1]
+        page = jnp.where(inside, self.table[rows[:, None], jnp.minimum(logical, self.table.shape[1] - 1)],
+                         self.num_pages)
+        return page, positions % self.page
 
     def load(self, entries: jax.Array, row: jax.Array, start: jax.Array) -> KVCache:
         """Puts one row's entries (entry_shape(cfg, T)) at positions [start, start + T)."""
+        t = entries.shape[2]
+        page, slot = self._where(jnp.reshape(row, (1,)), start + jnp.arange(t)[None])
+        page, slot = page[0], slot[0]  # [T]
         if self.stacked:
-            def put(buf: jax.Array, new: jax.Array) -> jax.Array:  # new: [L, T, K, Dh]
-                return jax.lax.dynamic_update_slice(buf, new[:, None].astype(buf.dtype),
-                                                    (0, row, start, 0, 0))
+            def put(buf, new):  # new: [L, T, K, Dh]
+                return buf.at[:, page, slot].set(new.astype(buf.dtype), mode="drop")
 
-            return KVCache(k=put(self.k, entries[:, 0]), v=put(self.v, entries[:, 1]))
-
-        def put_layer(buf: jax.Array, new: jax.Array) -> jax.Array:  # new: [T, K, Dh]
-            return jax.lax.dynamic_update_slice(buf, new[None].astype(buf.dtype),
-                                                (row, start, 0, 0))
-
-        return KVCache(k=tuple(put_layer(k, entries[i, 0]) for i, k in enumerate(self.k)),
-                       v=tuple(put_layer(v, entries[i, 1]) for i, v in enumerate(self.v)))
+            return self.replace(k=put(self.k, entries[:, 0]), v=put(self.v, entries[:, 1]))
+        return self.replace(
+            k=tuple(b.at[page, slot].set(entries[i, 0].astype(b.dtype), mode="drop")
+                    for i, b in enumerate(self.k)),
+            v=tuple(b.at[page, slot].set(entries[i, 1].astype(b.dtype), mode="drop")
+                    for i, b in enumerate(self.v)))
 
     def gather(self, rows: jax.Array, starts: jax.Array, tokens: int) -> jax.Array:
         """The entries of n spans: span i is positions [starts[i], starts[i] + tokens) of row
         rows[i]. Returns [n, *entry_shape(cfg, tokens)]."""
-        def one(row, start):
-            def take(buf):  # [B, S, K, Dh] -> [tokens, K, Dh]
-                return jax.lax.dynamic_slice(buf, (row, start, 0, 0),
-                                             (1, tokens) + buf.shape[2:])[0]
+        page, slot = self._where(rows, starts[:, None] + jnp.arange(tokens)[None])  # [n, T]
 
-            return jnp.stack([jnp.stack([take(k), take(v)])
-                              for k, v in (self.layer(i) for i in range(self.num_layers))])
+        def take(buf):  # [P, page, K, Dh] -> [n, T, K, Dh]
+            return buf.at[page, slot].get(mode="fill", fill_value=0)
 
-        return jax.vmap(one)(rows, starts)
+        layers = [jnp.stack([take(k), take(v)], axis=1)  # [n, 2, T, K, Dh]
+                  for k, v in (self.layer(i) for i in range(self.num_layers))]
+        return jnp.stack(layers, axis=1)
+
+    def rows_view(self) -> tuple[jax.Array, jax.Array]:
+        """Every row's positions as dense [L, B, capacity, K, Dh] k and v (tests, debugging)."""
+        rows = jnp.arange(self.table.shape[0])
+        k = jnp.stack([self.span(self.layer(i)[0], rows, 0, self.capacity)
+                       for i in range(self.num_layers)])
+        v = jnp.stack([self.span(self.layer(i)[1], rows, 0, self.capacity)
+                       for i in range(self.num_layers)])
+        return k, v
 
     # ------------------------------------------------------------ inside the model
     def layer(self, layer) -> tuple[jax.Array, jax.Array]:
-        """One layer's k and v, [B, S_max, K, Dh] each (`layer` may be traced when stacked)."""
+        """One layer's k and v pools, [P, page, K, Dh] each (`layer` may be traced when
+        stacked)."""
         if self.stacked:
             take = lambda buf: jax.lax.dynamic_index_in_dim(buf, layer, keepdims=False)  # noqa: E731
             return take(self.k), take(self.v)
         return self.k[layer], self.v[layer]
 
+    def span(self, pool: jax.Array, rows: jax.Array | None, start, length: int) -> jax.Array:
+        """Positions [start, start + length) of cache rows `rows` ([R]; None: every row) from
+        one layer's k or v pool ([P, page, K, Dh]); start and length are whole pages. Returns
+        [R, length, K, Dh]: what attention reads per key chunk (one page per row when the
+        chunk is a page)."""
+        n = length // self.page
+        table = self.table if rows is None else self.table[rows]  # [R, capacity / page]
+        pages = jax.lax.dynamic_slice_in_dim(table, start // self.page, n, axis=1)  # [R, n]
+        got = pool.at[pages].get(mode="fill", fill_value=0)  # [R, n, page, K, Dh]
+        return got.reshape(got.shape[0], length, *got.shape[3:])
+
     def write(self, layer, k_new: jax.Array, v_new: jax.Array, meta: ForwardMeta) -> KVCache:
         """k_new[b], v_new[b] ([R, T, K, Dh]) go to positions [write_offset[b], + T) of cache row
         meta.rows[b] (row b without a row table) in `layer`, for the rows meta.write selects; the
-        others keep what they had there. Positions past S_max are dropped, never clamped onto
-        earlier ones (capacity_for leaves room for every real write)."""
-        offset, keep = meta.write_offset, ~meta.write
+        others keep what they had there. Positions without a page are dropped, never clamped
+        onto others (the engine gives every row pages for each position it can write)."""
         rows = meta.rows if meta.rows is not None else jnp.arange(k_new.shape[0])
+        positions = meta.write_offset[:, None] + jnp.arange(k_new.shape[1], dtype=jnp.int32)[None]
+        page, slot = self._where(rows, positions)  # [R, T]
+        page = jnp.where(meta.write[:, None], page, self.num_pages)  # kept rows: dropped
+        # One scatter per pool with mode="drop": no read of the old entries (a read would make
+        # XLA copy the pool to keep it for the read).
         if self.stacked:
-            return KVCache(k=_write_stacked(self.k, layer, k_new, rows, offset, keep),
-                           v=_write_stacked(self.v, layer, v_new, rows, offset, keep))
+            def put(buf, new):
+                return buf.at[layer, page, slot].set(new.astype(buf.dtype), mode="drop")
+
+            return self.replace(k=put(self.k, k_new), v=put(self.v, v_new))
         k, v = list(self.k), list(self.v)
-        k[layer] = _write_rows(k[layer], k_new, rows, offset, keep)
-        v[layer] = _write_rows(v[layer], v_new, rows, offset, keep)
-        return KVCache(k=tuple(k), v=tuple(v))
-
-
-def rows_span(buf: jax.Array, rows: jax.Array | None, start, length: int) -> jax.Array:
-    """Positions [start, start + length) of one layer's k or v ([B, S, K, Dh]) for the cache rows
-    `rows` ([R]; None: every row): [R, length, K, Dh]. What attention reads per key chunk."""
-    if rows is None:
-        return jax.lax.dynamic_slice_in_dim(buf, start, length, axis=1)
-    size = (1, length) + buf.shape[2:]
-    return jax.vmap(lambda r: jax.lax.dynamic_slice(buf, (r, start, 0, 0), size)[0])(rows)
-
-
-def _write_rows(buf: jax.Array, new: jax.Array, rows: jax.Array, offset: jax.Array,
-                keep: jax.Array) -> jax.Array:
-    """buf: [B, S, K, Dh]; new: [R, T, K, Dh]; rows, offset, keep: [R]. One scatter: a kept
-    row's positions point past the end, where mode="drop" discards them (no read of the old
-    entries, which would make XLA copy the buffer to keep it for the read)."""
-    pos = _positions(offset, keep, new.shape[1], buf.shape[1])
-    return buf.at[rows[:, None], pos].set(new.astype(buf.dtype), mode="drop")
-
-
-def _write_stacked(buf: jax.Array, layer, new: jax.Array, rows: jax.Array, offset: jax.Array,
-                   keep: jax.Array) -> jax.Array:
-    """buf: [L, B, S, K, Dh]; new: [R, T, K, Dh]; rows, offset, keep: [R]."""
-    pos = _positions(offset, keep, new.shape[1], buf.shape[2])
-    return buf.at[layer, rows[:, None], pos].set(new.astype(buf.dtype), mode="drop")
-
-
-def _positions(offset: jax.Array, keep: jax.Array, t: int, capacity: int) -> jax.Array:
-    """[B, T] buffer positions of each row's T new entries; `capacity` (out of range: dropped)
-    for the rows that keep what they have."""
-    pos = offset[:, None] + jnp.arange(t, dtype=offset.dtype)[None, :]
-    return jnp.where(keep[:, None], capacity, pos)
+        k[layer] = k[layer].at[page, slot].set(k_new.astype(k[layer].dtype), mode="drop")
+        v[layer] = v[layer].at[page, slot].set(v_new.astype(v[layer].dtype), mode="drop")
+        return self.replace(k=tuple(k), v=tuple(v))

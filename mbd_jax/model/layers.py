@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mbd_jax.model.kv_cache import KVCache, rows_span
+from mbd_jax.model.kv_cache import KVCache
 
 NEG_INF = -1e30  # finite "minus infinity": fully masked rows stay finite (no NaN from exp/div)
 
@@ -54,13 +54,14 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
 def chunked_attention(q: jax.Array, kv: KVCache, layer, q_pos: jax.Array,
                       visible_len: jax.Array, block_size: int, chunk: int,
                       rows: jax.Array | None = None) -> jax.Array:
-    """Block-causal attention over one layer of the KV buffer, reading only the used prefix.
+    """Block-causal attention over one layer of the paged KV pool, reading only the used prefix.
 
-    An online-softmax loop over `chunk`-sized key slices; its trip count is
+    An online-softmax loop over `chunk`-sized key slices (one page per row each, through the
+    page table); its trip count is
     ceil(max(visible_len) / chunk), a traced value, so the cost follows the longest visible row and
     not the buffer's size, and one compiled program serves every length.
 
-    q: [B, T, H, Dh]; kv: the buffer (capacity % chunk == 0); layer: int, may be traced;
+    q: [B, T, H, Dh]; kv: the cache (chunk a whole number of pages); layer: int, may be traced;
     q_pos: [B, T]; visible_len: [B]; rows: [B] the cache row of each query row (None: row b).
     Returns [B, T, H, Dh].
     """
@@ -73,15 +74,15 @@ def chunked_attention(q: jax.Array, kv: KVCache, layer, q_pos: jax.Array,
     need = jnp.minimum(jnp.max(visible_len), jnp.max(q_pos // block_size + 1) * block_size)
     n_chunks = jnp.clip((need + chunk - 1) // chunk, 1, s_max // chunk)
 
-    # This layer's keys and values, taken out once: the loop then carries one layer, not a
-    # whole stacked buffer (which XLA:CPU would copy into the loop for every layer).
-    k_layer, v_layer = kv.layer(layer)  # [B, S_max, K, Dh]
+    # This layer's key and value pools, taken out once: the loop then carries one layer, not a
+    # whole stacked pool (which XLA:CPU would copy into the loop for every layer).
+    k_layer, v_layer = kv.layer(layer)  # [P, page, K, Dh]
 
     def body(i, carry):
         m, l, acc = carry  # m, l: [B, K, G, T]; acc: [B, K, G, T, Dh]
         start = i * chunk
-        ks = rows_span(k_layer, rows, start, chunk)  # [B, chunk, K, Dh]
-        vs = rows_span(v_layer, rows, start, chunk)
+        ks = kv.span(k_layer, rows, start, chunk)  # [B, chunk, K, Dh]
+        vs = kv.span(v_layer, rows, start, chunk)
         mask = block_causal_visible(q_pos, start + jnp.arange(chunk), visible_len, block_size)
         s = jnp.einsum("btkgd,bskd->bkgts", qg, ks.astype(q.dtype),
                        preferred_element_type=jnp.float32) * scale

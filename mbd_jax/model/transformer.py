@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 from mbd_jax.config import ModelConfig
 from mbd_jax.model import layers, layout, moe, rope
 from mbd_jax.model.forward_meta import ForwardMeta
-from mbd_jax.model.kv_cache import KVCache, rows_span
+from mbd_jax.model.kv_cache import KVCache
 from mbd_jax.parallel.expert import sharded_experts
 
 
@@ -121,7 +121,7 @@ class Attention(nn.Module):
                                                cfg.block_size, min(cfg.attention_chunk, kv.capacity),
                                                meta.rows)
             else:
-                k_all, v_all = (rows_span(a, meta.rows, 0, kv.capacity) for a in kv.layer(layer))
+                k_all, v_all = (kv.span(a, meta.rows, 0, kv.capacity) for a in kv.layer(layer))
                 visible = layers.block_causal_visible(meta.positions, jnp.arange(kv.capacity),
                                                       meta.visible_len, cfg.block_size)
                 out = layers.dense_attention(q, k_all.astype(dt), v_all.astype(dt), visible)

@@ -36,7 +36,9 @@ RULES: dict[str, str | None] = {
     "embed": None,
     "head_dim": None,
     "seq": None,
-    "layers": None,  # the stacked axis of scanned layers and of the KV buffer
+    "layers": None,  # the stacked axis of scanned layers and of the KV pool
+    "pages": None,  # the KV pool's pages: any row's, so every data shard holds the pool
+    "page": None,
 }
 
 
@@ -108,14 +110,17 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def cache_shardings(cfg: ModelConfig, mesh: Mesh, batch: int, capacity: int) -> Any:
+def cache_shardings(cfg: ModelConfig, mesh: Mesh, batch: int, capacity: int,
+                    pages: int | None = None) -> Any:
     """The model's cache (transformer.cache_type) as a tree of shardings, from the logical axes
-    the cache names: rows on `data`, KV heads on `tensor`."""
+    the cache names: KV heads on `tensor`; the KV pool's pages (any row's) and the page table
+    replicated over `data`."""
     from mbd_jax.model.transformer import cache_type
 
     cache = cache_type(cfg)
-    shapes = jax.eval_shape(lambda: cache.allocate(cfg, batch, capacity))
-    is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x)  # noqa: E731
+    shapes = jax.eval_shape(lambda: cache.allocate(cfg, batch, capacity, pages))
+    is_axes = lambda x: isinstance(x, tuple) and all(  # noqa: E731
+        a is None or isinstance(a, str) for a in x)
     return jax.tree.map(lambda axes, s: NamedSharding(mesh, spec_for(axes, s.shape, mesh)),
                         cache.logical_axes(cfg), shapes, is_leaf=is_axes)
 

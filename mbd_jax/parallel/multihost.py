@@ -190,6 +190,9 @@ class EngineLeader:
     def cancel(self, state, rows):
         return self._call(("cancel", list(rows)), self.engine.cancel, state, rows)
 
+    def release(self, rows) -> None:
+        self._call(("release", [int(r) for r in rows]), self.engine.release, rows)
+
     def reset_buffers(self) -> None:
         self._call(("reset_buffers",), self.engine.reset_buffers)
 
@@ -224,6 +227,8 @@ def follow(engine) -> None:
                 state = engine.decode_call(state, *args)
             elif name == "cancel":
                 state = engine.cancel(state, *args)
+            elif name == "release":
+                engine.release(*args)
             elif name == "reset_buffers":
                 engine.reset_buffers()
         except UserError as e:  # the leader hit the same error and answered its client

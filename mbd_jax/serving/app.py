@@ -297,6 +297,11 @@ class Service:
                     stop: list[str] | None = None, logprobs: bool = False) -> list[Request]:
         """Queues one request per (prompt, decode), all or none."""
         self.available()
+        for p, d in zip(prompts, decodes, strict=True):
+            try:  # a request larger than the whole KV pool could never start
+                self.scheduler.engine.check_fits(p, d, where="max_tokens")
+            except UserError as e:
+                raise HTTPError(400, str(e), param="max_tokens") from None
         loop = asyncio.get_running_loop()
         reqs = [Request(id=f"req-{uuid.uuid4().hex[:16]}", prompt=p, decode=d, loop=loop,
                         thinking=thinking, stops=StopStrings(stop) if stop else None,

@@ -65,8 +65,8 @@ class Metrics:
                              buckets=(0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 32), registry=r)
         self.queue_length = Gauge("mbd_queue_length", "Requests waiting for a row", registry=r)
         self.busy_rows = Gauge("mbd_busy_rows", "Rows decoding a request", registry=r)
-        self.kv_usage = Gauge("mbd_kv_buffer_usage_ratio", "Share of KV buffer positions holding "
-                              "committed prefixes of live requests", registry=r)
+        self.kv_usage = Gauge("mbd_kv_buffer_usage_ratio", "Share of the KV pool's pages held "
+                              "by requests (each holds pages for every position it can write)", registry=r)
         self.empty = Counter("mbd_empty_responses", "Requests that returned no token", registry=r)
         self.rate_limited = Counter("mbd_rate_limited", "Requests refused by the rate limit",
                                     registry=r)

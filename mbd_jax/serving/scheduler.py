@@ -293,19 +293,26 @@ class Scheduler:
                 r.prefix, r.prefetched = self.engine.prefetch(r.prompt), True
 
     def _begin_admission(self):
-        """Moves waiting requests into free rows and starts their prefill (None if nothing to do)."""
+        """Moves waiting requests into free rows and starts their prefill (None if nothing to do).
+        Rows no request holds give their KV pages back first; the queue's head waits (and the
+        rest behind it) until the pool has its pages."""
         free = [i for i in range(self.engine.batch_size) if i not in self._rows]
+        idle = [row for row in free if self.engine.pages.held[row]]
+        if idle:
+            self.engine.release(idle)
         if not free:
             return None
         thinking_rows = sum(r.thinking for r in self._rows.values())
         picked: dict[int, Request] = {}
+        pages = self.engine.pages.free
         with self._lock:
             for row in free:
                 q = self._queues[False]
                 if not q and thinking_rows < self.cfg.generation.thinking_max_rows:
                     q = self._queues[True]
-                if not q:
+                if not q or self.engine.pages_to_admit(q[0].prompt, q[0].decode) > pages:
                     break
+                pages -= self.engine.pages_to_admit(q[0].prompt, q[0].decode)
                 r = q.popleft()
                 thinking_rows += r.thinking
                 picked[row] = r
@@ -343,13 +350,11 @@ class Scheduler:
         blk = self.engine.cfg.block_size
         tok = self.engine.tokenizer
         now = time.monotonic()
-        used = 0
-        stopped = []
+        stopped, finished = [], []
         for row, r in list(self._rows.items()):
             if row in self._prefilling:  # not merged yet: the device state is the old occupant's
                 continue
             p0 = int(host.prompt_len[row])
-            used += int(host.cached_len[row])
             done = bool(host.done[row])
             if done:
                 new = self.engine.output_ids(host, row)[r.sent_tokens:]
@@ -384,8 +389,12 @@ class Scheduler:
                 self._finish(r, host, row, now, by_stop=row in stopped)
                 with self._lock:
                     del self._rows[row]
+                if done:  # a stopped row still runs until its cancel lands: freed later
+                    finished.append(row)
+        if finished:
+            self.engine.release(finished)
         self.metrics.busy_rows.set(len(self._rows))
-        self.metrics.kv_usage.set(used / (self.engine.batch_size * self.engine.capacity))
+        self.metrics.kv_usage.set(self.engine.pages.in_use / self.engine.pages.num_pages)
         return stopped
 
     def _finish(self, r: Request, host, row: int, now: float, by_stop: bool = False) -> None:

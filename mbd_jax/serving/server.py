@@ -88,7 +88,7 @@ def build_engine(cfg: ServeConfig, mesh: jax.sharding.Mesh | None = None) -> Eng
     limit = max(cfg.generation.max_new_tokens_limit, cfg.generation.thinking_max_new_tokens)
     engine = Engine(model.cfg, model.params, batch_size=s.max_batch_size, buffer_size=s.buffer_size,
                     prefill_chunk=min(s.prefill_chunk, model.cfg.max_seq_len),
-                    tokenizer=model.tokenizer,
+                    kv_pool_tokens=s.kv_pool_tokens, tokenizer=model.tokenizer,
                     record_steps=min(cfg.decoding.max_nfe, 1024),
                     record_len=min(limit, model.cfg.max_seq_len), prefix_store=store, mesh=mesh)
     return engine

@@ -25,6 +25,10 @@ class TrainConfig:
     n_random_layouts: int = 1  # multitf: random layouts per example, beside the systematic ones
     weighting: Literal["llada2", "sdar"] = "llada2"  # mean over masked, or 1/t self-normalised
     seq_len: int = 48  # tokens per example (prompt + answer + EOS padding), multiple of block
+    # Shorter row lengths a step may use beside seq_len (each a multiple of block_size): a step's
+    # examples all fit its length and come from the examples that need it, and each length gets
+    # the share of steps its examples have, so the data seen is the same and padding is not.
+    length_buckets: tuple[int, ...] = ()
     batch_size: int = 32  # examples per step (rows = examples x layouts)
     steps: int = 1000
     learning_rate: float = 3e-3
@@ -57,6 +61,10 @@ class TrainConfig:
         for f in ("seq_len", "batch_size", "steps", "checkpoint_every", "keep_checkpoints",
                   "log_every"):
             _check(getattr(self, f) >= 1, where, f"field '{f}' must be >= 1, got {getattr(self, f)}")
+        _check(all(0 < b < self.seq_len for b in self.length_buckets)
+               and list(self.length_buckets) == sorted(set(self.length_buckets)), where,
+               f"field 'length_buckets' must be increasing lengths below seq_len "
+               f"({self.seq_len}), got {list(self.length_buckets)}")
         _check(self.n_random_layouts >= 0 and self.warmup_steps >= 0, where,
                "fields 'n_random_layouts' and 'warmup_steps' must be >= 0")
         _check(self.learning_rate > 0 and 0 <= self.end_lr_fraction <= 1, where,
@@ -67,6 +75,10 @@ class TrainConfig:
                f"field 'expert_bias_rate' must be >= 0, got {self.expert_bias_rate}")
         _check(self.data_parallel == -1 or self.data_parallel >= 1, where,
                "field 'data_parallel' must be >= 1 or -1 (all devices)")
+
+    def lengths(self) -> tuple[int, ...]:
+        """Every row length a step may use, ascending (length_buckets, then seq_len)."""
+        return (*self.length_buckets, self.seq_len)
 
     def output_dir(self) -> pathlib.Path:
         return self.path(self.output or f"runs/{self.name}-model")

@@ -1,14 +1,24 @@
 """A deterministic synthetic task suite with exact-match answers (no downloads).
 
-Every example is made on the fly from a seed. Prompts are chat turns rendered with the `plain`
-template, so a request to the service looks exactly like a training prompt. A fixed share of all
-possible prompts is held out: `examples(..., split="train")` never yields a held-out prompt and
-`split="heldout"` yields only those, so accuracy on the held-out split measures generalisation.
+Every example is made on the fly from a seed. A fixed share of all possible questions is held
+out (by a hash of the question text): `examples(..., split="train")` never yields a held-out
+question, not even as an earlier turn of a conversation, and `split="heldout"` yields only those,
+so accuracy on the held-out split measures generalisation.
 
-    arith    What is 47+38?               -> 47+38=85        (two-digit + and -, worked answer)
-    sort     Sort: 7 2 9 4                -> 2 4 7 9
-    reverse  Reverse: k d a q m           -> m q a d k
-    recall   Recall c in: a=4 c=9 f=1     -> c=9
+    arith    What is 47+38?                      -> 47+38=85   (two-digit + and -, worked answer)
+    sort     Sort: 7 2 9 4                       -> 2 4 7 9    (3-10 digits)
+    reverse  Reverse: k d a q m                  -> m q a d k  (3-10 letters)
+    recall   Recall c f in: a=4 c=9 f=1 x=0      -> c=9 f=1    (2-6 pairs, one or two keys)
+    sortrev  Sort and reverse: 7 2 9 4           -> 9 7 4 2    (two steps: 3-8 digits)
+
+Answers of the longer lists span several 8-token blocks, which is where decoding the next block
+early (MultiBD) has room to pay.
+
+A question reaches the model in one of four formats, so every service path sees text it was
+trained on: `chat` (one user turn, the `plain` template: `/v1/chat/completions`), `system` (a
+system line first), `multiturn` (an earlier, answered question before it; sometimes a system
+line too) and `raw` (the bare question with no template: `/v1/completions`, `/generate`).
+Training mixes them by FORMAT_WEIGHTS; eval asks for one.
 """
 
 from __future__ import annotations
@@ -23,18 +33,36 @@ import numpy as np
 from mbd_jax.chat import render
 from mbd_jax.errors import UserError
 
-HELDOUT_PER_MILLE = 100  # 10% of all prompts are held out
+HELDOUT_PER_MILLE = 100  # 10% of all questions are held out
 _LETTERS = string.ascii_lowercase
+
+# The system lines a `system` / `multiturn` example may start with.
+SYSTEM_PROMPTS = (
+    "You are a helpful assistant.",
+    "You are a careful assistant. Answer briefly.",
+    "Answer with the result only.",
+    "You are the mbd-jax demo model.",
+    "Be exact.",
+    "You solve small puzzles.",
+)
+# How often each format appears in training (eval picks one).
+FORMAT_WEIGHTS = {"chat": 0.45, "system": 0.2, "multiturn": 0.2, "raw": 0.15}
+FORMATS = tuple(FORMAT_WEIGHTS)
 
 
 @dataclasses.dataclass(frozen=True)
 class Example:
     task: str
-    prompt: str  # the rendered chat prompt (ends where the assistant's reply begins)
+    prompt: str  # the text before the reply (a rendered chat prompt, or the bare question)
     answer: str  # the exact expected reply
+    format: str = "chat"
 
     def is_correct(self, reply: str) -> bool:
         return reply.strip() == self.answer
+
+
+def _digits(rng: np.random.Generator, lo: int, hi: int) -> list[int]:
+    return [int(x) for x in rng.integers(0, 10, size=int(rng.integers(lo, hi + 1)))]
 
 
 def _arith(rng: np.random.Generator) -> tuple[str, str]:
@@ -46,24 +74,32 @@ def _arith(rng: np.random.Generator) -> tuple[str, str]:
 
 
 def _sort(rng: np.random.Generator) -> tuple[str, str]:
-    xs = [int(x) for x in rng.integers(0, 10, size=int(rng.integers(3, 7)))]
+    xs = _digits(rng, 3, 10)
     return "Sort: " + " ".join(map(str, xs)), " ".join(map(str, sorted(xs)))
 
 
 def _reverse(rng: np.random.Generator) -> tuple[str, str]:
-    xs = [_LETTERS[int(i)] for i in rng.integers(0, 26, size=int(rng.integers(3, 8)))]
+    xs = [_LETTERS[int(i)] for i in rng.integers(0, 26, size=int(rng.integers(3, 11)))]
     return "Reverse: " + " ".join(xs), " ".join(reversed(xs))
 
 
 def _recall(rng: np.random.Generator) -> tuple[str, str]:
-    keys = rng.choice(26, size=int(rng.integers(2, 6)), replace=False)
+    keys = rng.choice(26, size=int(rng.integers(2, 7)), replace=False)
     pairs = [(_LETTERS[int(k)], int(rng.integers(0, 10))) for k in keys]
-    key, value = pairs[int(rng.integers(0, len(pairs)))]
-    return (f"Recall {key} in: " + " ".join(f"{k}={v}" for k, v in pairs), f"{key}={value}")
+    asked = sorted(rng.choice(len(pairs), size=min(len(pairs) - 1, int(rng.integers(1, 3))),
+                              replace=False))
+    wanted = [pairs[int(i)] for i in asked]
+    return (f"Recall {' '.join(k for k, _ in wanted)} in: "
+            + " ".join(f"{k}={v}" for k, v in pairs), " ".join(f"{k}={v}" for k, v in wanted))
+
+
+def _sortrev(rng: np.random.Generator) -> tuple[str, str]:
+    xs = _digits(rng, 3, 8)
+    return "Sort and reverse: " + " ".join(map(str, xs)), " ".join(map(str, sorted(xs)[::-1]))
 
 
 TASKS: dict[str, Callable[[np.random.Generator], tuple[str, str]]] = {
-    "arith": _arith, "sort": _sort, "reverse": _reverse, "recall": _recall}
+    "arith": _arith, "sort": _sort, "reverse": _reverse, "recall": _recall, "sortrev": _sortrev}
 
 
 def is_heldout(question: str) -> bool:
@@ -78,27 +114,57 @@ def check_tasks(names: list[str] | tuple[str, ...], where: str = "tasks") -> Non
                         f"allowed: {', '.join(TASKS)}")
 
 
-def examples(tasks: list[str] | tuple[str, ...], seed: int, split: str = "train"
-             ) -> Iterator[Example]:
-    """An endless, deterministic stream of examples, tasks in turn, from `split`."""
+def _train_question(tasks: list[str] | tuple[str, ...], rng: np.random.Generator
+                    ) -> tuple[str, str]:
+    """A question (and answer) of a random task from the train split: an earlier turn."""
+    while True:
+        question, answer = TASKS[tasks[int(rng.integers(len(tasks)))]](rng)
+        if not is_heldout(question):
+            return question, answer
+
+
+def render_example(question: str, fmt: str, rng: np.random.Generator,
+                   tasks: list[str] | tuple[str, ...]) -> str:
+    """The prompt text of `question` in format `fmt` (extra turns drawn from `rng`)."""
+    if fmt == "raw":
+        return question
+    messages = [{"role": "user", "content": question}]
+    if fmt == "multiturn":
+        q0, a0 = _train_question(tasks, rng)
+        messages = [{"role": "user", "content": q0}, {"role": "assistant", "content": a0},
+                    *messages]
+    if fmt == "system" or (fmt == "multiturn" and rng.random() < 0.5):
+        system = SYSTEM_PROMPTS[int(rng.integers(len(SYSTEM_PROMPTS)))]
+        messages = [{"role": "system", "content": system}, *messages]
+    return render(messages)
+
+
+def examples(tasks: list[str] | tuple[str, ...], seed, split: str = "train",
+             fmt: str | None = None) -> Iterator[Example]:
+    """An endless, deterministic stream of examples, tasks in turn, from `split`, in format
+    `fmt` (None: drawn by FORMAT_WEIGHTS)."""
     check_tasks(tasks)
     if split not in ("train", "heldout"):
         raise UserError(f"split: must be 'train' or 'heldout', got {split!r}")
+    if fmt is not None and fmt not in FORMATS:
+        raise UserError(f"format: must be one of {', '.join(FORMATS)}, got {fmt!r}")
     rng = np.random.default_rng(seed)
     want_heldout = split == "heldout"
+    names, weights = list(FORMAT_WEIGHTS), np.array(list(FORMAT_WEIGHTS.values()))
     i = 0
     while True:
         task = tasks[i % len(tasks)]
         question, answer = TASKS[task](rng)
         if is_heldout(question) == want_heldout:
             i += 1
-            yield Example(task, render([{"role": "user", "content": question}]), answer)
+            f = fmt or names[int(rng.choice(len(names), p=weights / weights.sum()))]
+            yield Example(task, render_example(question, f, rng, tasks), answer, f)
 
 
-def heldout(task: str, n: int, seed: int = 1234) -> list[Example]:
-    """The first n distinct held-out examples of one task (the eval set)."""
+def heldout(task: str, n: int, seed: int = 1234, fmt: str = "chat") -> list[Example]:
+    """The first n distinct held-out examples of one task in one format (the eval set)."""
     seen: dict[str, Example] = {}
-    for draws, ex in enumerate(examples([task], seed, split="heldout")):
+    for draws, ex in enumerate(examples([task], seed, split="heldout", fmt=fmt)):
         seen.setdefault(ex.prompt, ex)
         if len(seen) == n:
             return list(seen.values())

@@ -38,22 +38,51 @@ from mbd_jax.train import objective, tasks
 from mbd_jax.train.config import TrainConfig
 
 
-def encode(tokenizer: Tokenizer, ex: tasks.Example, seq_len: int, eos: int
-           ) -> tuple[np.ndarray, int]:
-    """prompt + answer + EOS, padded with EOS to seq_len -> (tokens [L] int32, prompt length)."""
-    prompt, answer = tokenizer.encode(ex.prompt), tokenizer.encode(ex.answer)
-    ids = prompt + answer + [eos]
-    if len(ids) > seq_len:
-        raise UserError(f"seq_len {seq_len}: a {ex.task} example needs {len(ids)} tokens")
-    return np.array(ids + [eos] * (seq_len - len(ids)), np.int32), len(prompt)
+def encode(tokenizer: Tokenizer, ex: tasks.Example, eos: int) -> tuple[list[int], int]:
+    """prompt + answer + EOS -> (token ids, prompt length)."""
+    prompt = tokenizer.encode(ex.prompt)
+    return prompt + tokenizer.encode(ex.answer) + [eos], len(prompt)
 
 
-def batch_for_step(tcfg: TrainConfig, cfg: ModelConfig, tokenizer: Tokenizer, step: int
-                   ) -> objective.Batch:
-    """The training batch of `step`: a pure function of (tcfg.seed, step)."""
+def length_shares(tcfg: TrainConfig, cfg: ModelConfig, tokenizer: Tokenizer, n: int = 2000
+                  ) -> np.ndarray:
+    """[len(tcfg.lengths())] the share of examples whose shortest fitting row length is each of
+    tcfg.lengths(), from a fixed sample of n (examples longer than seq_len are left out)."""
+    stream = tasks.examples(tcfg.tasks, seed=(tcfg.seed, 2**31 - 1))
+    lengths = np.array(tcfg.lengths())
+    need = np.array([len(encode(tokenizer, ex, cfg.eos_token_ids[0])[0])
+                     for ex, _ in zip(stream, range(n))])
+    counts = np.bincount(np.searchsorted(lengths, need[need <= lengths[-1]]),
+                         minlength=len(lengths))
+    if counts.sum() == 0:
+        raise UserError(f"seq_len {tcfg.seq_len}: no {', '.join(tcfg.tasks)} example fits; "
+                        "raise seq_len")
+    return counts / counts.sum()
+
+
+def batch_for_step(tcfg: TrainConfig, cfg: ModelConfig, tokenizer: Tokenizer, step: int,
+                   shares: np.ndarray | None = None) -> objective.Batch:
+    """The training batch of `step`: a pure function of (tcfg.seed, step). The step's row
+    length is drawn from tcfg.lengths() by `shares` (length_shares; None: seq_len alone, every
+    example that fits), and its examples are those that need exactly that length (longer than
+    the next shorter one), padded with EOS to it."""
+    lengths, eos = tcfg.lengths(), cfg.eos_token_ids[0]
+    pick = len(lengths) - 1
+    if shares is not None and len(lengths) > 1:
+        pick = int(np.random.default_rng((tcfg.seed, step, 2)).choice(len(lengths), p=shares))
+    lo = lengths[pick - 1] if pick > 0 and shares is not None else 0
+    hi = lengths[pick]
     stream = tasks.examples(tcfg.tasks, seed=(tcfg.seed, step))
-    rows = [encode(tokenizer, next(stream), tcfg.seq_len, cfg.eos_token_ids[0])
-            for _ in range(tcfg.batch_size)]
+    rows: list[tuple[np.ndarray, int]] = []
+    for draws, ex in enumerate(stream):
+        ids, n_prompt = encode(tokenizer, ex, eos)
+        if lo < len(ids) <= hi:
+            rows.append((np.array(ids + [eos] * (hi - len(ids)), np.int32), n_prompt))
+            if len(rows) == tcfg.batch_size:
+                break
+        if draws > 100 * tcfg.batch_size:
+            raise UserError(f"seq_len {hi}: too few {', '.join(tcfg.tasks)} examples fit (e.g. "
+                            f"a {ex.task} example of {len(ids)} tokens); raise seq_len")
     rng = np.random.default_rng((tcfg.seed, step, 1))
     return objective.make_batch(rows, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
                                 g_max=tcfg.g_max, n_random=tcfg.n_random_layouts, rng=rng)
@@ -173,6 +202,8 @@ class Trainer:
                 tcfg.path(tcfg.checkpoint_dir).absolute(),
                 options=ocp.CheckpointManagerOptions(max_to_keep=tcfg.keep_checkpoints))
         self.history: list[dict[str, float]] = []  # per logged step
+        self.shares = length_shares(tcfg, self.cfg, tokenizer) if tcfg.length_buckets else None
+        self.example_tokens = 0  # padded example tokens trained on by this process
 
     @property
     def step(self) -> int:
@@ -198,7 +229,8 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step on the batch of the current step; returns its metrics."""
-        batch = batch_for_step(self.tcfg, self.cfg, self.tokenizer, self.step)
+        batch = batch_for_step(self.tcfg, self.cfg, self.tokenizer, self.step, self.shares)
+        self.example_tokens += self.tcfg.batch_size * batch.clean.shape[1]  # padded
         arrays = {k: jax.device_put(v, self.batch_sharding) for k, v in batch.as_dict().items()}
         self.state, metrics = self._step(self.state, arrays)
         return {k: float(v) for k, v in metrics.items()}
@@ -209,19 +241,17 @@ class Trainer:
 
         tcfg = self.tcfg
         end = tcfg.steps if steps is None else steps
-        tokens_per_step = tcfg.batch_size * tcfg.seq_len
         bar = tqdm(total=end, initial=self.step, disable=not progress, unit="step",
                    dynamic_ncols=True)
-        t_last, n_since = time.perf_counter(), 0
+        t_last, tokens_last = time.perf_counter(), self.example_tokens
         while self.step < end:
             metrics = self.train_step()
-            n_since += 1
             bar.update(1)
             if self.step % tcfg.log_every == 0 or self.step == end:
                 now = time.perf_counter()
-                metrics["tokens_per_s"] = tokens_per_step * n_since / (now - t_last)
+                metrics["tokens_per_s"] = (self.example_tokens - tokens_last) / (now - t_last)
                 metrics["step"] = self.step
-                t_last, n_since = now, 0
+                t_last, tokens_last = now, self.example_tokens
                 self.history.append(metrics)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['token_acc']:.2f}",
                                 tok_s=f"{metrics['tokens_per_s']:.0f}")

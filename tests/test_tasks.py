@@ -1,0 +1,115 @@
+"""The synthetic task suite and the trainer's length buckets: every answer equals an independent
+solver's, held-out questions never reach training (not even as an earlier turn), the formats mix
+as configured, and a bucketed batch holds exactly the examples that need its length."""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import numpy as np
+import pytest
+
+from mbd_jax.checkpoint import load_model
+from mbd_jax.errors import UserError
+from mbd_jax.train import tasks
+from mbd_jax.train.config import TrainConfig
+from mbd_jax.train.trainer import batch_for_step, encode, length_shares
+
+TURN = re.compile(r"<\|(system|user|assistant)\|> ([^\n]*)\n?")
+
+
+def solve(question: str) -> str:
+    """An independent solver for every task's question text."""
+    if m := re.fullmatch(r"What is (\d+)([+-])(\d+)\?", question):
+        a, op, b = int(m[1]), m[2], int(m[3])
+        return f"{a}{op}{b}={a + b if op == '+' else a - b}"
+    if m := re.fullmatch(r"Sort and reverse: ([\d ]+)", question):
+        return " ".join(sorted(m[1].split(), reverse=True))
+    if m := re.fullmatch(r"Sort: ([\d ]+)", question):
+        return " ".join(sorted(m[1].split()))
+    if m := re.fullmatch(r"Reverse: ([a-z ]+)", question):
+        return " ".join(m[1].split()[::-1])
+    if m := re.fullmatch(r"Recall ([a-z ]+) in: (.+)", question):
+        table = dict(p.split("=") for p in m[2].split())
+        return " ".join(f"{k}={table[k]}" for k in m[1].split())
+    raise AssertionError(f"unknown question {question!r}")
+
+
+def turns(ex: tasks.Example) -> list[tuple[str, str]]:
+    if ex.format == "raw":
+        return [("user", ex.prompt)]
+    assert ex.prompt.endswith("<|assistant|>")
+    return TURN.findall(ex.prompt[: -len("<|assistant|>")])
+
+
+def test_answers_match_an_independent_solver_in_every_format():
+    stream = tasks.examples(list(tasks.TASKS), seed=3)
+    seen = collections.Counter()
+    for ex, _ in zip(stream, range(1500)):
+        seen[ex.format] += 1
+        ts = turns(ex)
+        assert ts[-1][0] == "user" and solve(ts[-1][1]) == ex.answer, ex
+        if ex.format == "raw":
+            assert "<|" not in ex.prompt
+        if ex.format == "system":
+            assert [r for r, _ in ts] == ["system", "user"] and ts[0][1] in tasks.SYSTEM_PROMPTS
+        if ex.format == "multiturn":  # an earlier, correctly answered question first
+            roles = [r for r, _ in ts]
+            assert roles in (["user", "assistant", "user"], ["system", "user", "assistant", "user"])
+            assert solve(ts[-3][1]) == ts[-2][1], ex
+        if ex.format == "chat":
+            assert [r for r, _ in ts] == ["user"]
+    for fmt, w in tasks.FORMAT_WEIGHTS.items():  # the training mix follows the weights
+        assert abs(seen[fmt] / 1500 - w) < 0.04, (fmt, seen)
+
+
+def test_heldout_questions_never_reach_training_and_eval_uses_only_them():
+    for ex, _ in zip(tasks.examples(list(tasks.TASKS), seed=5), range(3000)):
+        for role, text in turns(ex):
+            if role == "user":
+                assert not tasks.is_heldout(text), ex
+    for name in tasks.TASKS:
+        for fmt in tasks.FORMATS:
+            exs = tasks.heldout(name, 20, fmt=fmt)
+            assert len({e.prompt for e in exs}) == 20
+            assert all(e.format == fmt and tasks.is_heldout(turns(e)[-1][1]) for e in exs)
+    with pytest.raises(UserError, match="format: must be one of chat, system, multiturn, raw"):
+        next(tasks.examples(["sort"], 0, fmt="json"))
+
+
+def test_long_answers_span_several_blocks():
+    tok = load_model("tiny-moe", with_weights=False).tokenizer
+    blocks = [len(tok.encode(ex.answer)) // 8 + 1
+              for ex, _ in zip(tasks.examples(["sort", "reverse", "sortrev"], 0), range(300))]
+    assert max(blocks) >= 3 and np.mean([b >= 2 for b in blocks]) > 0.4
+
+
+def test_length_buckets_hold_exactly_the_examples_that_need_them():
+    model = load_model("tiny-moe", with_weights=False)
+    cfg, tok = model.cfg, model.tokenizer
+    eos = cfg.eos_token_ids[0]
+    t = TrainConfig(name="t", model="tiny-moe", tasks=tuple(tasks.TASKS), batch_size=8,
+                    seq_len=96, length_buckets=(32, 64))
+    shares = length_shares(t, cfg, tok)
+    assert shares.shape == (3,) and shares.sum() == pytest.approx(1) and (shares > 0.05).all()
+    # the shares are the examples' own: count them independently on another sample
+    need = [len(encode(tok, ex, eos)[0]) for ex, _ in zip(tasks.examples(t.tasks, 11), range(800))]
+    need = np.array([n for n in need if n <= 96])
+    independent = [np.mean(need <= 32), np.mean((need > 32) & (need <= 64)), np.mean(need > 64)]
+    np.testing.assert_allclose(shares, independent, atol=0.05)
+    lengths = collections.Counter()
+    for step in range(60):
+        b = batch_for_step(t, cfg, tok, step, shares)
+        L = b.clean.shape[1]
+        lengths[L] += 1
+        lo = {32: 0, 64: 32, 96: 64}[L]
+        ends = [int(np.argmax(row == eos)) + 1 for row in b.clean]  # tokens up to the first EOS
+        assert all(lo < e <= L for e in ends), (L, ends)
+        again = batch_for_step(t, cfg, tok, step, shares)
+        np.testing.assert_array_equal(again.noisy, b.noisy)  # still a function of (seed, step)
+    assert set(lengths) == {32, 64, 96} and lengths[32] > lengths[96]
+    with pytest.raises(UserError, match="length_buckets"):
+        from mbd_jax.config import from_dict
+        from_dict(TrainConfig, {"name": "t", "model": "m", "seq_len": 64,
+                                "length_buckets": [64]}, where="t.yaml")
