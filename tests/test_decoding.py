@@ -211,7 +211,9 @@ def test_prefill_chunks_interleave_with_running_rows(cfg, params):
     """Row 0 keeps decoding between the prefill chunks of a long prompt admitted into row 1 (a free
     row's decode stores nothing, so it never writes over the prompt being prefilled); both
     rows end exactly as in an offline batch."""
-    eng = Engine(cfg, params, batch_size=2, buffer_size=2, prefill_chunk=16)
+    # no prefix pages shared: the reference run below would otherwise leave the long prompt's
+    # first page in the pool, and the admission would map it instead of prefilling it
+    eng = Engine(cfg, params, batch_size=2, buffer_size=2, prefill_chunk=16, share_prefixes=False)
     long_prompt = [10 + i % 400 for i in range(93)]  # 88 positions of full blocks: 6 chunks
     d = DecodeConfig(max_new_tokens=24)
     want = eng.generate([PROMPTS[0], long_prompt], d)

@@ -143,7 +143,7 @@ def test_generate_waits_for_pages_and_matches_the_full_pool(n_buf):
     assert [r.token_ids for r in small.generate(prompts, decodes)] == want
     per_row = small.pages.pages_per_row  # 17: max_seq_len 1024 + one 64-token write
     assert small.kv.nbytes() * 4 * per_row == big.kv.nbytes() * 6  # 6 pages against 4 x 17
-    with pytest.raises(UserError, match=r"max_new_tokens 900 .* needs 15 KV pages .* has 6"):
+    with pytest.raises(UserError, match=r"900 new tokens after a 3-token prompt need 15 KV pages .* has 6"):
         small.generate([[5, 6, 7]], DecodeConfig(buffer_size=n_buf, max_new_tokens=900))
 
 
@@ -216,6 +216,17 @@ def test_page_pool_prefix_index_under_random_streams():
         pool.release(row)
     pool.check()
     assert pool.in_use == 0 and pool.free == 24 and not pool.refs.any()
+    # eviction eats a cached prefix from its end: what stays is still reachable
+    pool = PagePool(num_pages=6, page=PAGE, rows=2, pages_per_row=6)
+    keys = page_keys(prefixes[0], PAGE, 4 * PAGE)
+    pool.reserve(0, 4 * PAGE)
+    pool.register(0, keys)
+    pages = list(pool.held[0])
+    pool.release(0)
+    assert pool.cached == 4 and pool.lookup(keys) == pages
+    pool.reserve(1, 4 * PAGE)  # 2 free pages, then the 2 oldest cached: the prefix's last two
+    pool.check()
+    assert pool.lookup(keys) == pages[:2] and pool.cached == 2
 
 
 def test_a_shared_prefix_is_held_once_and_decodes_like_no_sharing():
@@ -256,3 +267,40 @@ def test_a_shared_prefix_is_held_once_and_decodes_like_no_sharing():
     state = eng.run_decode(state)
     assert eng.result_of(jax.device_get(state), 2, 0.0).token_ids == want[4]
     eng.pages.check()
+
+
+def test_an_8k_context_on_a_one_request_pool_equals_dense_attention():
+    """An 8K-token prompt prefilled in 2048-token chunks into a pool that holds one such request
+    (half of what two full rows would take): the logits of its first decode forward, through the
+    paged online-softmax loop, equal dense masked attention over the same row (the reference
+    path) on an engine with a full pool."""
+    from mbd_jax.model.forward_meta import ForwardMeta
+    from mbd_jax.model.transformer import Transformer
+
+    n = 8000
+    cfg = tiny_cfg(max_seq_len=n + 256)
+    params = tiny_params(max_seq_len=n + 256)
+    prompt = np.random.default_rng(8).integers(5, cfg.vocab_size, n).tolist()
+    decode = DecodeConfig(buffer_size=1, max_new_tokens=16)
+
+    def first_logits(c, engine):
+        state = engine.admit(engine.empty_state(), {1: (prompt, decode)})
+        host = jax.device_get(state)
+        start = int(host.cached_len[1])
+        window = host.canvas[1:2, start:start + c.block_size]
+        meta = ForwardMeta.cached(start + np.arange(c.block_size, dtype=np.int32)[None],
+                                  np.array([start], np.int32),
+                                  np.array([start + c.block_size], np.int32),
+                                  rows=np.array([1], np.int32))
+        fwd = jax.jit(lambda p, t, m, kv: Transformer(c).apply({"params": p}, t, m, kv)[0])
+        return np.asarray(fwd(engine.params, window, meta, engine.kv))[0]
+
+    paged = Engine(cfg, params, batch_size=2, prefill_chunk=2048,
+                   kv_pool_tokens=n + 256)
+    assert paged.pages.num_pages < paged.pages.pages_per_row * 2
+    got = first_logits(cfg, paged)
+    assert len(paged.pages.held[1]) == paged.pages_needed(prompt, decode)
+    dense_cfg = dataclasses.replace(cfg, attention_impl="dense")
+    want = first_logits(dense_cfg, Engine(dense_cfg, params, batch_size=2, prefill_chunk=2048))
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    assert np.abs(want).max() > 0.1  # real logits, not padding

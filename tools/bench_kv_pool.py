@@ -6,10 +6,12 @@ Builds two engines of --rows rows on the same model: one whose pool holds every 
 context (the dense design's memory), one whose pool holds exactly the pages the request mix needs
 (--lengths prompt tokens, --new-tokens each), and reports the bytes each engine allocated
 (`engine.kv.nbytes()`), the pages the mix holds by the engine's own accounting, and how many
-requests of one --shared-prompt-length prompt a fixed budget (the dense engine's bytes for
---rows rows) holds at once. Then admits the mix into the small pool and checks every page is
-held once (nothing is shared between requests yet: prefix pages are not shared in the pool).
-Prints one JSON object and a table.
+requests of one --shared-prompt-length system prompt (plus a 32-token question each) a fixed
+budget (the dense engine's bytes for --rows rows) holds at once: one per row densely, by pages
+without sharing, and by pages with the prompt's pages shared in the pool, the last measured by
+admitting --shared-rows such requests into an engine of that many rows on that budget (the first
+prefills the system prompt, the others map its pages) and counting the pages in use. Prints one
+JSON object and a table.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def main() -> int:
     ap.add_argument("--lengths", default="256,1024,2048,4096,8192,16384,24576,32000")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--shared-prompt-length", type=int, default=4096)
+    ap.add_argument("--shared-rows", type=int, default=32)
     args = ap.parse_args()
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     import numpy as np
@@ -53,8 +56,18 @@ def main() -> int:
     paged.pages.check()
     assert paged.pages.in_use == need and paged.pages.free == 0
     del adm
-    shared = np.full(args.shared_prompt_length, 5, np.int32)
-    per_request = dense.pages_needed(shared, decode)
+    rng = np.random.default_rng(0)
+    system = rng.integers(5, cfg.vocab_size, args.shared_prompt_length).tolist()
+    asks = [system + rng.integers(5, cfg.vocab_size, 32).tolist() for _ in range(args.shared_rows)]
+    per_request = dense.pages_needed(asks[0], decode)
+    budget = dense.pages.num_pages
+    pool = Engine(cfg, params, batch_size=args.shared_rows, prefill_chunk=256,
+                  kv_pool_tokens=budget * page)
+    state = pool.admit(pool.empty_state(), {0: (asks[0], decode)})  # prefills the system prompt
+    first = pool.pages.in_use
+    pool.admit(state, {i: (asks[i], decode) for i in range(1, args.shared_rows)})
+    pool.pages.check()
+    per_extra = (pool.pages.in_use - first) / (args.shared_rows - 1)
     report = {
         "model": args.model, "max_seq_len": args.max_seq_len, "rows": args.rows,
         "lengths": lengths, "new_tokens": args.new_tokens, "page": page,
@@ -63,7 +76,10 @@ def main() -> int:
         "ratio": dense.kv.nbytes() / paged.kv.nbytes(),
         "shared_prompt": args.shared_prompt_length,
         "held_at_once_dense": args.rows,
-        "held_at_once_paged": dense.pages.num_pages // per_request,
+        "held_at_once_paged": budget // per_request,
+        "shared_rows_admitted": args.shared_rows, "shared_pages_in_use": pool.pages.in_use,
+        "pages_first_request": first, "pages_per_further_request": per_extra,
+        "held_at_once_paged_shared": 1 + int((budget - first) // per_extra),
     }
     print(json.dumps(report))
     mib = 2 ** 20
@@ -73,6 +89,9 @@ def main() -> int:
           f"{report['dense_bytes'] / mib:.1f} | {args.rows} (one per row) |\n"
           f"| paged (the mix's pages) | {need} | {report['paged_bytes'] / mib:.1f} | "
           f"{report['held_at_once_paged']} (pages; rows permitting) |\n"
+          f"| paged, prompt pages shared (dense budget) | {budget} | "
+          f"{report['dense_bytes'] / mib:.1f} | {report['held_at_once_paged_shared']} "
+          f"({args.shared_rows} admitted: {pool.pages.in_use} pages in use) |\n"
           f"ratio dense / paged: {report['ratio']:.2f}", file=sys.stderr)
     return 0
 

@@ -1,6 +1,6 @@
 """The jitted decoding programs: prefill, one decode step, and the while-loop of steps.
 
-All three call the same model forward. The engine jits them with the KV buffer (and the decode
+All three call the same model forward. The engine jits them with the KV pool (and the decode
 state) donated, so the buffer is updated in place and never copied.
 """
 

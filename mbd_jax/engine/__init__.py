@@ -1,6 +1,6 @@
 """The engine: compiled programs over the model's cache, and the host-side planning around them.
 
-- core.py: `Engine`, the thin stateful shell (parameters, KV buffer, compiled programs, the
+- core.py: `Engine`, the thin stateful shell (parameters, KV pool, compiled programs, the
   calls the service and `generate` make);
 - admission.py: the prefill calls an admission makes, the rows' decoding settings;
 - results.py: `GenerationResult`, a finished row's result and vote;

@@ -9,7 +9,7 @@ after `warmup()`. What it runs is planned and read elsewhere in this package: ad
 (the prefix-cache glue), transfer.py (host state onto the device).
 
 Everything lives on a device mesh (parallel/mesh.py; one device without one): the parameters and
-the KV buffer are split by the rules table, the decode state and every host input are replicated,
+the KV pool are split by the rules table, the decode state and every host input are replicated,
 and every compiled program names its output shardings, so donated buffers keep their layout and
 nothing recompiles. On several processes each runs the same calls (parallel/multihost.py).
 """
@@ -157,10 +157,10 @@ class Engine:
         need = self.pages_needed(prompt, d)
         if need > self.pages.num_pages:
             page = self.pages.page
-            raise UserError(f"{where}: max_new_tokens {d.max_new_tokens} with a {len(prompt)}-token "
-                            f"prompt needs {need} KV pages of {page} positions; this engine's pool "
+            raise UserError(f"{where}: {d.max_new_tokens} new tokens after a {len(prompt)}-token "
+                            f"prompt need {need} KV pages of {page} positions; this engine's pool "
                             f"has {self.pages.num_pages} ({self.pages.num_pages * page} positions): "
-                            "ask for fewer tokens")
+                            "ask for fewer tokens or send a shorter prompt")
 
     def check_decode(self, d: DecodeConfig, where: str = "decoding") -> None:
         if d.buffer_size > self.buffer_size:
@@ -447,13 +447,14 @@ class Engine:
         return self.finish_admit(state, adm)
 
     def buffers_intact(self, state: DecodeState) -> bool:
-        """Whether the KV buffer and `state` still hold their device memory (a call that failed
+        """Whether the KV pool and `state` still hold their device memory (a call that failed
         after taking its donated buffers leaves them deleted)."""
         return not any(x.is_deleted() for x in jax.tree.leaves((self.kv, state))
                        if isinstance(x, jax.Array))
 
     def reset_buffers(self) -> None:
-        """A fresh, empty KV buffer (after a failure lost the old one); every row is free."""
+        """A fresh, empty KV pool and page accounting (after a failure lost the old pool); every
+        row is free and no prefix page is cached."""
         self.kv = self._allocate_kv()
         pool = self.pages  # a fresh pool: the old one's prefix pages are gone with the buffer
         self.pages = PagePool(pool.num_pages, pool.page, self.batch_size, pool.pages_per_row)

@@ -11,7 +11,8 @@ later prompt starting with the same tokens maps those pages into its own table (
 `reserve(..., shared=)`) and prefills only the rest: committed blocks never change, so the pages
 are shared as they are, never copied. A page is in exactly one of three places: held by one or
 more rows (`refs` counts them), free, or cached (indexed, held by no row: it stays mapped for a
-later hit and is the first to go, oldest first, when a reservation needs pages).
+later hit and is the first to go, oldest first and a prefix's last page first, when a
+reservation needs pages).
 """
 
 from __future__ import annotations
@@ -114,8 +115,10 @@ class PagePool:
 
     def release(self, row: int) -> None:
         """Gives back every page `row` holds; its table maps nothing after. A prefix page no row
-        holds any more stays cached (indexed) until a reservation needs it."""
-        for p in self.held[row]:
+        holds any more stays cached (indexed) until a reservation needs it. A row's pages join
+        the cache last page first, so eviction (oldest first) eats a prefix from its end and
+        what stays cached is still a prefix a lookup can reach."""
+        for p in reversed(self.held[row]):
             self.refs[p] -= 1
             if self.refs[p] == 0:
                 if p in self._key:

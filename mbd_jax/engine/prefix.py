@@ -1,6 +1,6 @@
 """The engine's prefix-cache glue: stored leading blocks of a prompt looked up, sent to the
 device and loaded into the admitted row; committed blocks staged for the store after each decode
-call (cache/offload.py, double-buffered). Reaches the KV buffer only through the model's cache
+call (cache/offload.py, double-buffered). Reaches the KV pool only through the model's cache
 interface (model/kv_cache.py)."""
 
 from __future__ import annotations

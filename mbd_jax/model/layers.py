@@ -1,7 +1,7 @@
 """Pure functions for the transformer's math: RMSNorm, rotary embedding, block-causal attention.
 
 Shapes: B batch rows, T new tokens, S key positions, H query heads, K kv heads, G = H // K query
-heads per kv head, Dh head dim. Positions are absolute; in the KV buffer, index == position.
+heads per kv head, Dh head dim. Positions are absolute (the KV pool maps them to pages: model/kv_cache.py).
 """
 
 from __future__ import annotations

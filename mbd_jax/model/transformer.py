@@ -10,7 +10,7 @@ under the explicit `meta.mask[B, T, T]` (training, and the full-sequence referen
 The cache's type is the model's (`cache_type`): nothing outside the model names its layout.
 
 The layers run unrolled or as one nn.scan per run of identical layers (model/layout.py); either
-way each layer gets its index and the carry (x, kv); the KV buffer's form follows the loop
+way each layer gets its index and the carry (x, kv); the KV pool's form follows the loop
 (model/kv_cache.py: per-layer arrays unrolled, one stacked array scanned).
 
 With a device `mesh` of more than one device, the routed experts run expert-parallel inside

@@ -10,7 +10,7 @@ mesh), so every preset runs on every mesh shape.
     params = jax.device_put(params, param_shardings(cfg, mesh))
 
 The engine keeps its decode state replicated (every process reads it after each call) and its
-KV buffer split like the KV heads; the routed experts run inside shard_map (parallel/expert.py).
+KV pool split like the KV heads; the routed experts run inside shard_map (parallel/expert.py).
 """
 
 from __future__ import annotations
