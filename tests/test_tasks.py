@@ -109,6 +109,12 @@ def test_length_buckets_hold_exactly_the_examples_that_need_them():
         again = batch_for_step(t, cfg, tok, step, shares)
         np.testing.assert_array_equal(again.noisy, b.noisy)  # still a function of (seed, step)
     assert set(lengths) == {32, 64, 96} and lengths[32] > lengths[96]
+    odd = TrainConfig(name="t", model="tiny-moe", seq_len=96, length_buckets=(36,))
+    with pytest.raises(UserError, match=r"length_buckets \[36\]: \[36\] not a multiple of the "
+                                        r"model's block_size \(8\)"):
+        from mbd_jax.model.transformer import init_params
+        from mbd_jax.train.trainer import Trainer
+        Trainer(odd, cfg, init_params(cfg), tok)
     with pytest.raises(UserError, match="length_buckets"):
         from mbd_jax.config import from_dict
         from_dict(TrainConfig, {"name": "t", "model": "m", "seq_len": 64,

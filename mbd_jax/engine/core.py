@@ -264,10 +264,11 @@ class Engine:
         s = 0
         while s < len(prompts):  # as many as fit in the rows and the KV pool at once
             e, pages = s, 0
-            while e < len(prompts) and e - s < self.batch_size and (
-                    pages + self.pages_to_admit(prompts[e], decodes[e]) <= self.pages.free):
-                pages += self.pages_to_admit(prompts[e], decodes[e])
-                e += 1
+            while e < len(prompts) and e - s < self.batch_size:
+                cost = self.pages_to_admit(prompts[e], decodes[e])
+                if pages + cost > self.pages.free:
+                    break
+                pages, e = pages + cost, e + 1
             results += self._generate_batch([np.asarray(p, np.int32) for p in prompts[s: e]],
                                             decodes[s: e])
             s = e

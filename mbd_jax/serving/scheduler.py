@@ -310,9 +310,10 @@ class Scheduler:
                 q = self._queues[False]
                 if not q and thinking_rows < self.cfg.generation.thinking_max_rows:
                     q = self._queues[True]
-                if not q or self.engine.pages_to_admit(q[0].prompt, q[0].decode) > pages:
+                cost = self.engine.pages_to_admit(q[0].prompt, q[0].decode) if q else 0
+                if not q or cost > pages:
                     break
-                pages -= self.engine.pages_to_admit(q[0].prompt, q[0].decode)
+                pages -= cost
                 r = q.popleft()
                 thinking_rows += r.thinking
                 picked[row] = r

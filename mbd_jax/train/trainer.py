@@ -170,6 +170,10 @@ class Trainer:
         if tcfg.seq_len % cfg.block_size or tcfg.seq_len > cfg.max_seq_len:
             raise UserError(f"seq_len {tcfg.seq_len}: must be a multiple of block_size "
                             f"({cfg.block_size}) and <= max_seq_len ({cfg.max_seq_len})")
+        odd = [n for n in tcfg.length_buckets if n % cfg.block_size]
+        if odd:
+            raise UserError(f"length_buckets {list(tcfg.length_buckets)}: {odd} not a multiple of "
+                            f"the model's block_size ({cfg.block_size})")
         self.mesh = mesh or data_mesh(tcfg.data_parallel)
         rows = tcfg.batch_size * len(objective.layouts(tcfg.seq_len // cfg.block_size, tcfg.g_max,
                                                        tcfg.n_random_layouts,
