@@ -60,14 +60,22 @@ def test_chunked_attention_equals_dense_over_the_paged_pool():
     # The pool holds two layers; layer 1 is kb / vb, layer 0 is noise that must not be read.
     noise = jnp.asarray(rng.normal(size=(b, s, k, dh)), jnp.float32)
     dense_rows = KVCache.from_rows(jnp.stack([noise, kb]), jnp.stack([noise, vb]), page=chunk)
-    start = np.array([0, 40, 96])  # rows at different offsets; last one spans 3 chunks
-    pos = jnp.asarray(start[:, None] + np.arange(t))
-    visible = jnp.asarray(start + t)
-    dense = layers.dense_attention(q, kb, vb, layers.block_causal_visible(pos, jnp.arange(s), visible, blk))
     attend = jax.jit(layers.chunked_attention, static_argnums=(5, 6))
-    for kv in (dense_rows, shuffled_pages(dense_rows, 0)):  # the page table is what is read
-        chunked = attend(q, kv, jnp.int32(1), pos, visible, blk, chunk)
-        np.testing.assert_allclose(np.asarray(chunked), np.asarray(dense), atol=1e-5)
+    # Rows at different offsets (the last spans 3 chunks), each seeing up to its last query
+    # (prefill) except where noted. The loop's unmasked part runs for the first chunk in the
+    # second set only: in the first a row starts in it, in the third one row's queries see
+    # further than the others' and one row sees a single key (a finished row).
+    for start, visible in ((np.array([0, 40, 96]), None),
+                           (np.array([72, 40, 96]), None),
+                           (np.array([72, 8, 96]), np.array([80, 128, 104])),
+                           (np.array([72, 40, 96]), np.array([80, 1, 104]))):
+        pos = jnp.asarray(start[:, None] + np.arange(t))
+        visible = jnp.asarray(start + t if visible is None else visible)
+        dense = layers.dense_attention(q, kb, vb, layers.block_causal_visible(pos, jnp.arange(s),
+                                                                              visible, blk))
+        for kv in (dense_rows, shuffled_pages(dense_rows, 0)):  # the page table is what is read
+            chunked = attend(q, kv, jnp.int32(1), pos, visible, blk, chunk)
+            np.testing.assert_allclose(np.asarray(chunked), np.asarray(dense), atol=1e-5)
     # And dense against a direct NumPy softmax for one query.
     bi, ti, hi = 2, 3, 1
     p = int(pos[bi, ti])

@@ -15,6 +15,7 @@ import pytest
 from mbd_jax.cache.prefix_store import PrefixStore, block_keys
 from mbd_jax.config import DecodeConfig
 from mbd_jax.engine import Engine
+from mbd_jax.engine.pages import page_keys
 from mbd_jax.model.forward_meta import ForwardMeta
 from mbd_jax.model.transformer import Transformer
 from tests.conftest import tiny_cfg, tiny_params
@@ -190,10 +191,11 @@ def test_unwritable_disk_warns_and_ram_keeps_serving(tmp_path, caplog):
 
 # ------------------------------------------------------------------------------- the engine
 
-def make_engine(store=None, batch=2, share_prefixes=True):
+def make_engine(store=None, batch=2, share_prefixes=True, kv_pool_tokens=None):
     cfg, params = tiny_cfg(), tiny_params()
     engine = Engine(cfg, params, batch_size=batch, buffer_size=2, prefill_chunk=32,
-                    prefix_store=store, share_prefixes=share_prefixes)
+                    prefix_store=store, share_prefixes=share_prefixes,
+                    kv_pool_tokens=kv_pool_tokens)
     engine.warmup()
     return engine
 
@@ -292,6 +294,34 @@ def test_blocks_reach_the_store_when_the_engine_goes_idle():
     assert staged.drained.wait(timeout=120)  # the drain thread's own pace, not a verdict
     assert engine.generate([prompt], d)[0].token_ids == first
     assert store.stats.hits == 4
+
+
+def test_the_store_serves_what_the_pool_evicted():
+    """The store is the tier below the pool: a prompt whose leading page is still in the pool
+    and whose later blocks were evicted maps that page and loads the rest from the store,
+    prefilling only its partial block; the tokens equal a run with no cache at all."""
+    rng = np.random.default_rng(11)
+    a = rng.integers(10, 500, size=205).tolist()  # 3 whole pages of 64, 25 full blocks of 8
+    b = rng.integers(10, 500, size=400).tolist()
+    d = DecodeConfig(buffer_size=2, max_new_tokens=16)
+    cold = [r.token_ids for r in make_engine(share_prefixes=False).generate([a, b, a], d)]
+
+    store = PrefixStore("tiny", 8, ram_bytes=1 << 24)
+    engine = make_engine(store, kv_pool_tokens=8 * 64)
+    assert engine.pages_needed(a, d) == 4 and engine.pages_needed(b, d) == 7
+    a_pages = page_keys(a, 64, 200)  # a's 3 whole prompt pages
+    assert engine.generate([a], d)[0].token_ids == cold[0]
+    assert len(engine.pages.lookup(a_pages)) == 3
+    # a's row released, b takes its 1 unindexed page and the 4 never used, and evicts 2 of the
+    # 3 cached ones: a's last pages go first
+    assert engine.generate([b], d)[0].token_ids == cold[1]
+    assert len(engine.pages.lookup(a_pages)) == 1
+    engine.offloader.flush()
+    hits, served = store.stats.hits, engine.prefix_hit_tokens
+    assert engine.generate([a], d)[0].token_ids == cold[2]
+    assert engine.prefix_hit_tokens - served == 200  # a's 25 full blocks: none prefilled
+    assert store.stats.hits - hits == 200 // 8 - 64 // 8  # all but the pool's one page
+    engine.pages.check()
 
 
 def test_warm_engine_with_a_cache_compiles_nothing_new():

@@ -164,10 +164,13 @@ class PrefixStore:
     def keys(self, tokens: Sequence[int], known: Sequence[str] = ()) -> list[str]:
         return block_keys(self.model_id, tokens, self.block_size, known)
 
-    def lookup(self, tokens: Sequence[int], max_blocks: int | None = None) -> list[np.ndarray]:
-        """The longest run of leading full blocks of `tokens` that the store holds."""
+    def lookup(self, tokens: Sequence[int], max_blocks: int | None = None,
+               first: int = 0) -> list[np.ndarray]:
+        """The longest run of full blocks of `tokens` from block `first` on (the caller holds
+        the ones before it) that the store holds. A key chains the whole prefix, so a block is
+        found by its prefix whatever the store still holds of the blocks before it."""
         found = []
-        keys = self.keys(tokens)[:max_blocks]
+        keys = self.keys(tokens)[first:max_blocks]
         for key in keys:
             entry = self.get(key)
             if entry is None:

@@ -403,12 +403,10 @@ class Engine:
             start[row] = len(hit) * self.pages.page
         self._sync_table()
         if self._prefix is not None:
-            for row in requests:  # the store serves a prompt the pool missed
-                if start[row]:
-                    self._prefix.skip(row, int(start[row]))
-                else:
-                    self.kv, start[row] = self._prefix.load(self.kv, row, prompts[row],
-                                                            (prefetched or {}).get(row))
+            for row in requests:  # the store serves what the pool missed, after its pages
+                self.kv, start[row] = self._prefix.load(self.kv, row, prompts[row],
+                                                        (prefetched or {}).get(row),
+                                                        after=int(start[row]))
         self.prefix_hit_tokens += int(start.sum())
         full_len = admission.full_blocks(prompts, rows, self.cfg.block_size)
         return Admission(rows=rows, prompts=prompts, full_len=full_len,

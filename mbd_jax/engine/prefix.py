@@ -53,11 +53,12 @@ class PrefixGlue:
         empty = jax.jit(lambda: jnp.zeros(staging, self.dtype), out_shardings=replicated)
         self.offloader = KVOffloader(store, gather, empty, batch_size, blocks_per_call)
 
-    def prefetch(self, prompt: Sequence[int]) -> PrefixHit | None:
-        """Looks a prompt's leading full blocks up and starts their transfer to the device;
-        None without a hit."""
+    def prefetch(self, prompt: Sequence[int], after: int = 0) -> PrefixHit | None:
+        """Looks a prompt's leading full blocks up and starts the transfer of those from position
+        `after` on (a multiple of the block size: what the KV pool already maps) to the device;
+        None without a hit past `after`."""
         blk = self.cfg.block_size
-        entries = self.store.lookup(prompt, max_blocks=len(prompt) // blk)
+        entries = self.store.lookup(prompt, max_blocks=len(prompt) // blk, first=after // blk)
         if not entries:
             return None
         per_chunk = self._prefill_chunk // blk
@@ -65,23 +66,22 @@ class PrefixGlue:
         for first in range(0, len(entries), per_chunk):
             part = entries[first: first + per_chunk]
             span = self.cache.join(part, self._bucket_of(len(part) * blk))  # padded to a bucket
-            chunks.append((first * blk, self._put(span)))
-        return PrefixHit(tokens=len(entries) * blk, chunks=chunks)
+            chunks.append((after + first * blk, self._put(span)))
+        return PrefixHit(tokens=after + len(entries) * blk, chunks=chunks)
 
-    def load(self, kv: Any, row: int, prompt: np.ndarray, hit: PrefixHit | None) -> tuple[Any, int]:
-        """Copies the prompt's stored leading blocks into `row` (looked up now unless `hit`
-        was prefetched); returns the buffer and how many prompt tokens it covers."""
-        hit = hit or self.prefetch(prompt)
+    def load(self, kv: Any, row: int, prompt: np.ndarray, hit: PrefixHit | None,
+             after: int = 0) -> tuple[Any, int]:
+        """Copies the prompt's stored blocks from position `after` on into `row` (looked up now
+        unless `hit` was prefetched from 0); returns the buffer and how many prompt tokens the
+        row then holds. Positions below `after` are the pool's shared prefix pages: their
+        blocks were persisted when first prefilled, and nothing is written there."""
+        if after or hit is None:
+            hit = self.prefetch(prompt, after)
         for chunk_start, blocks in hit.chunks if hit else ():
             kv = self._load(kv, blocks, np.int32(row), np.int32(chunk_start))
-        tokens = hit.tokens if hit else 0
+        tokens = hit.tokens if hit else after
         self.offloader.reset_row(row, tokens // self.cfg.block_size)
         return kv, tokens
-
-    def skip(self, row: int, tokens: int) -> None:
-        """The row's first `tokens` prompt positions came from the pool's shared pages: they
-        were persisted when first prefilled, so the offloader starts after them."""
-        self.offloader.reset_row(row, tokens // self.cfg.block_size)
 
     def warm_load(self, kv: Any, tokens: int) -> Any:
         """Compiles loading `tokens` cached positions (a bucket) into a row (row 0, before any

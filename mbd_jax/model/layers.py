@@ -57,9 +57,15 @@ def chunked_attention(q: jax.Array, kv: KVCache, layer, q_pos: jax.Array,
     """Block-causal attention over one layer of the paged KV pool, reading only the used prefix.
 
     An online-softmax loop over `chunk`-sized key slices (one page per row each, through the
-    page table); its trip count is
-    ceil(max(visible_len) / chunk), a traced value, so the cost follows the longest visible row and
-    not the buffer's size, and one compiled program serves every length.
+    page table); its trip count is ceil(max(visible_len) / chunk), a traced value, so the cost
+    follows the longest visible row and not the pool's size, and one compiled program serves
+    every length. The loop runs in two parts: first the key chunks every query of every row
+    sees whole (below the earliest query block and every visible length: no mask to build or
+    apply), then the rest with the block-causal mask.
+
+    Inside the loop a kv head's G query heads are one [G * T] query axis, so each key chunk is
+    two plain batched matmuls ([G * T, Dh] x [Dh, chunk], then [G * T, chunk] x [chunk, Dh]) per
+    (row, kv head): with a 5-d "btkgd" layout XLA:CPU ran them 2-3x slower (docs/performance.md).
 
     q: [B, T, H, Dh]; kv: the cache (chunk a whole number of pages); layer: int, may be traced;
     q_pos: [B, T]; visible_len: [B]; rows: [B] the cache row of each query row (None: row b).
@@ -68,39 +74,49 @@ def chunked_attention(q: jax.Array, kv: KVCache, layer, q_pos: jax.Array,
     b, t, h, dh = q.shape
     s_max, kh = kv.capacity, kv.kv_heads
     g = h // kh
-    qg = q.reshape(b, t, kh, g, dh)
-    scale = dh ** -0.5
+    # qg: [B, K, G * T, Dh] (query heads of a kv head stacked along the query axis), pre-scaled
+    qg = jnp.transpose(q.reshape(b, t, kh, g, dh), (0, 2, 3, 1, 4)).reshape(b, kh, g * t, dh)
+    qg = (qg.astype(jnp.float32) * dh ** -0.5).astype(q.dtype)
+    qg_pos = jnp.tile(q_pos, (1, g))  # [B, G * T], in qg's query order
     # Keys at or beyond the end of the last query's block are never visible.
     need = jnp.minimum(jnp.max(visible_len), jnp.max(q_pos // block_size + 1) * block_size)
     n_chunks = jnp.clip((need + chunk - 1) // chunk, 1, s_max // chunk)
+    # Keys below this every query of every row sees: the unmasked part of the loop.
+    seen_by_all = jnp.minimum(jnp.min(q_pos // block_size) * block_size, jnp.min(visible_len))
+    n_unmasked = jnp.clip(seen_by_all // chunk, 0, n_chunks)
 
     # This layer's key and value pools, taken out once: the loop then carries one layer, not a
     # whole stacked pool (which XLA:CPU would copy into the loop for every layer).
     k_layer, v_layer = kv.layer(layer)  # [P, page, K, Dh]
 
-    def body(i, carry):
-        m, l, acc = carry  # m, l: [B, K, G, T]; acc: [B, K, G, T, Dh]
+    def step(i, carry, masked: bool):
+        m, l, acc = carry  # m, l: [B, K, G * T]; acc: [B, K, G * T, Dh]
         start = i * chunk
-        ks = kv.span(k_layer, rows, start, chunk)  # [B, chunk, K, Dh]
-        vs = kv.span(v_layer, rows, start, chunk)
-        mask = block_causal_visible(q_pos, start + jnp.arange(chunk), visible_len, block_size)
-        s = jnp.einsum("btkgd,bskd->bkgts", qg, ks.astype(q.dtype),
-                       preferred_element_type=jnp.float32) * scale
-        s = jnp.where(mask[:, None, None], s, NEG_INF)
+        ks = kv.span(k_layer, rows, start, chunk).astype(q.dtype)  # [B, chunk, K, Dh]
+        vs = kv.span(v_layer, rows, start, chunk).astype(q.dtype)
+        s = jnp.einsum("bkqd,bskd->bkqs", qg, ks, preferred_element_type=jnp.float32)
+        if masked:
+            mask = block_causal_visible(qg_pos, start + jnp.arange(chunk), visible_len,
+                                        block_size)[:, None]  # [B, 1, G * T, chunk]
+            s = jnp.where(mask, s, NEG_INF)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        p = jnp.where(mask[:, None, None], jnp.exp(s - m_new[..., None]), 0.0)
+        p = jnp.exp(s - m_new[..., None])
+        if masked:  # a query that has seen no key yet has m_new = NEG_INF: exp(0) for its masks
+            p = jnp.where(mask, p, 0.0)
         corr = jnp.exp(m - m_new)
         l = l * corr + jnp.sum(p, axis=-1)
-        acc = acc * corr[..., None] + jnp.einsum("bkgts,bskd->bkgtd", p.astype(q.dtype),
-                                                 vs.astype(q.dtype),
+        acc = acc * corr[..., None] + jnp.einsum("bkqs,bskd->bkqd", p.astype(q.dtype), vs,
                                                  preferred_element_type=jnp.float32)
         return m_new, l, acc
 
-    init = (jnp.full((b, kh, g, t), NEG_INF, jnp.float32), jnp.zeros((b, kh, g, t), jnp.float32),
-            jnp.zeros((b, kh, g, t, dh), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+    init = (jnp.full((b, kh, g * t), NEG_INF, jnp.float32), jnp.zeros((b, kh, g * t), jnp.float32),
+            jnp.zeros((b, kh, g * t, dh), jnp.float32))
+    carry = jax.lax.fori_loop(0, n_unmasked, lambda i, c: step(i, c, masked=False), init)
+    _, l, acc = jax.lax.fori_loop(n_unmasked, n_chunks, lambda i, c: step(i, c, masked=True),
+                                  carry)
     out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]  # rows that see nothing (padding) stay finite
-    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, dh).astype(q.dtype)
+    out = jnp.transpose(out.reshape(b, kh, g, t, dh), (0, 3, 1, 2, 4))  # [B, T, K, G, Dh]
+    return out.reshape(b, t, h, dh).astype(q.dtype)
 
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
