@@ -466,7 +466,13 @@ def test_shared_system_prompt_hits_the_prefix_cache_across_a_restart(tmp_path, o
             assert (cached[0] == 0) == (attempt == 0) and all(c > 0 for c in cached[1:]), cached
             assert all(c % 4 == 0 and c < r.usage.prompt_tokens for c in cached), cached
             met = srv.metrics()
-            assert met["mbd_prefix_cache_hit_blocks_total"] >= (2 if attempt == 0 else 3) * 5
+            # every cached token came from the pool's shared pages or the store's blocks (block
+            # 8): the later requests map the first one's pages; the store serves the blocks past
+            # them, and after the restart the first request's whole prefix
+            pool, store = met["mbd_kv_pool_prefix_tokens_total"], met["mbd_prefix_cache_hit_blocks_total"]
+            assert pool > 0 and store > 0 and pool + 8 * store >= sum(cached), (pool, store, cached)
+            if attempt == 1:
+                assert 8 * store >= cached[0] > 0
             assert met['mbd_prefix_cache_bytes{"tier": "disk"}'] > 0
             assert met["mbd_kv_offload_blocking_waits_total"] == 0
             assert 0 < met["mbd_prefix_cache_hit_ratio"] <= 1

@@ -132,7 +132,8 @@ class Engine:
         self._done: tuple[DecodeState, np.ndarray] | None = None  # (device, host): done_rows
         self._row_ids = [self._put(np.array([i], np.int32)) for i in range(batch_size)]
         self.prefix_store = prefix_store
-        self.prefix_hit_tokens = 0  # prompt tokens served from the prefix store so far
+        self.prefix_hit_tokens = 0  # prompt tokens not prefilled: from the pool's pages or the store
+        self.pool_hit_tokens = 0  # of those, the ones mapped from the pool's shared prefix pages
         self.prefill_seconds_per_token = 0.0  # measured in warmup (with a prefix store)
         self._prefix = None if prefix_store is None else PrefixGlue(
             prefix_store, cfg, self.cache, self.kv.dtype, kv_sharding, replicated, self._put,
@@ -371,10 +372,14 @@ class Engine:
         return self.initial_state(*self._blank_rows(), done=np.ones(self.batch_size, bool))
 
     def prefetch(self, prompt: Sequence[int]) -> PrefixHit | None:
-        """Looks a prompt's leading full blocks up in the prefix store and starts their transfer
-        to the device (the scheduler calls this for queued requests, so the copy overlaps their
-        wait). None without a store or a hit."""
-        return None if self._prefix is None else self._prefix.prefetch(prompt)
+        """Looks a prompt's full blocks past the pages the pool maps up in the prefix store and
+        starts their transfer to the device (the scheduler calls this for queued requests, so the
+        copy overlaps their wait; admission looks again if the pool changed meanwhile). None
+        without a store or a hit."""
+        if self._prefix is None:
+            return None
+        pool_hit = len(self._prefix_pages(prompt)[1]) * self.pages.page  # the store's start
+        return self._prefix.prefetch(prompt, after=pool_hit)
 
     def begin_admit(self, requests: dict[int, tuple[Sequence[int], DecodeConfig]],
                     prefetched: dict[int, PrefixHit | None] | None = None) -> Admission:
@@ -401,6 +406,7 @@ class Engine:
             keys[row], hit = self._prefix_pages(prompts[row])
             self.pages.reserve(row, self._positions_held(prompts[row], decodes[row]), shared=hit)
             start[row] = len(hit) * self.pages.page
+        self.pool_hit_tokens += int(start.sum())
         self._sync_table()
         if self._prefix is not None:
             for row in requests:  # the store serves what the pool missed, after its pages

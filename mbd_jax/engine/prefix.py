@@ -23,6 +23,7 @@ from mbd_jax.errors import UserError
 class PrefixHit:
     """A prompt's leading blocks found in the prefix store, already on their way to the device."""
 
+    after: int  # the store's blocks start here (the positions before it are the pool's pages)
     tokens: int  # prompt positions [0, tokens) are covered
     chunks: list[tuple[int, jax.Array]]  # (start, cache entries of T positions), T a prefill bucket
 
@@ -67,15 +68,15 @@ class PrefixGlue:
             part = entries[first: first + per_chunk]
             span = self.cache.join(part, self._bucket_of(len(part) * blk))  # padded to a bucket
             chunks.append((after + first * blk, self._put(span)))
-        return PrefixHit(tokens=after + len(entries) * blk, chunks=chunks)
+        return PrefixHit(after=after, tokens=after + len(entries) * blk, chunks=chunks)
 
     def load(self, kv: Any, row: int, prompt: np.ndarray, hit: PrefixHit | None,
              after: int = 0) -> tuple[Any, int]:
         """Copies the prompt's stored blocks from position `after` on into `row` (looked up now
-        unless `hit` was prefetched from 0); returns the buffer and how many prompt tokens the
-        row then holds. Positions below `after` are the pool's shared prefix pages: their
-        blocks were persisted when first prefilled, and nothing is written there."""
-        if after or hit is None:
+        unless `hit` was prefetched from the same position); returns the buffer and how many
+        prompt tokens the row then holds. Positions below `after` are the pool's shared prefix
+        pages: their blocks were persisted when first prefilled, and nothing is written there."""
+        if hit is None or hit.after != after:  # the pool changed while the request waited
             hit = self.prefetch(prompt, after)
         for chunk_start, blocks in hit.chunks if hit else ():
             kv = self._load(kv, blocks, np.int32(row), np.int32(chunk_start))

@@ -107,6 +107,10 @@ class Metrics:
                 for kind, key in (("in_use", "bytes_in_use"), ("limit", "bytes_limit")):
                     memory.labels(device=str(dev.id), kind=kind).set_function(
                         lambda dev=dev, key=key: (_memory_stats(dev) or {}).get(key, 0))
+        if engine is not None:
+            self._read.add("mbd_kv_pool_prefix_tokens", "Prompt tokens mapped from prefix pages "
+                           "another request left in the KV pool (neither prefilled nor loaded)",
+                           lambda: engine.pool_hit_tokens)
         if engine is not None and engine.prefix_store is not None:
             self._prefix_cache(engine)
 
@@ -119,7 +123,8 @@ class Metrics:
             Gauge(name, doc, registry=r).set_function(fn)
 
         counter = self._read.add
-        counter("mbd_prefix_cache_hit_blocks", "Prompt blocks served from the prefix cache",
+        counter("mbd_prefix_cache_hit_blocks", "Prompt blocks served from the prefix store (the "
+                "blocks past what the KV pool maps)",
                 lambda: st.hits)
         counter("mbd_prefix_cache_miss_blocks", "Prompt blocks looked up and not found",
                 lambda: st.misses)
