@@ -147,16 +147,14 @@ def test_generate_waits_for_pages_and_matches_the_full_pool(n_buf):
         small.generate([[5, 6, 7]], DecodeConfig(buffer_size=n_buf, max_new_tokens=900))
 
 
-def test_service_queue_waits_for_pages_and_loses_nothing(full, small):
-    """Six requests on a 4-row scheduler whose pool holds about two: they queue, each waits for
-    pages, all finish with the full pool's tokens, and every page is free afterwards."""
-    work = requests(4, 6)
-    reference = full.generate([p for p, _ in work], [d for _, d in work])
+def serve(engine: Engine, work: list[tuple[list[int], DecodeConfig]],
+          kv_pool_tokens: int | None = None) -> list[tuple]:
+    """Submits every request at once to a 4-row scheduler over `engine`; returns each one's
+    last event (("done", result) or ("error", ...)) in order."""
     cfg = ServeConfig(model="tiny-random", decoding=DecodeConfig(buffer_size=2),
                       server=dataclasses.replace(ServerConfig(), max_batch_size=4, buffer_size=2,
-                                                 steps_per_call=4, kv_pool_tokens=7 * PAGE))
-    small.reset_buffers()
-    s = Scheduler(small, cfg, Metrics())
+                                                 steps_per_call=4, kv_pool_tokens=kv_pool_tokens))
+    s = Scheduler(engine, cfg, Metrics())
     s.start()
 
     async def go():
@@ -173,9 +171,18 @@ def test_service_queue_waits_for_pages_and_loses_nothing(full, small):
         return out
 
     try:
-        events = asyncio.run(go())
+        return asyncio.run(go())
     finally:
         s.stop()
+
+
+def test_service_queue_waits_for_pages_and_loses_nothing(full, small):
+    """Six requests on a 4-row scheduler whose pool holds about two: they queue, each waits for
+    pages, all finish with the full pool's tokens, and every page is free afterwards."""
+    work = requests(4, 6)
+    reference = full.generate([p for p, _ in work], [d for _, d in work])
+    small.reset_buffers()
+    events = serve(small, work, kv_pool_tokens=7 * PAGE)
     assert [e[0] for e in events] == ["done"] * 6
     assert [e[1].token_ids for e in events] == [r.token_ids for r in reference]
     assert small.pages.in_use == 0
@@ -233,7 +240,8 @@ def test_a_shared_prefix_is_held_once_and_decodes_like_no_sharing():
     """A 3-page system prompt: the first request prefills it; three more arrive while it runs
     and map its pages (held once, four references) instead of prefilling them; every answer
     equals an engine that shares nothing; after they finish the pages stay cached and a later
-    request with the same prefix maps them again."""
+    request with the same prefix maps them again. The four admitted together (generate, a
+    burst at the service) share the same way: the later three wait for the first's prefill."""
     cfg, params = tiny_cfg(), tiny_params()
     rng = np.random.default_rng(6)
     system = rng.integers(5, cfg.vocab_size, 3 * PAGE).tolist()
@@ -267,6 +275,21 @@ def test_a_shared_prefix_is_held_once_and_decodes_like_no_sharing():
     state = eng.run_decode(state)
     assert eng.result_of(jax.device_get(state), 2, 0.0).token_ids == want[4]
     eng.pages.check()
+
+    # Admitted together (generate's one batch; a burst at the service): the first prompt is
+    # prefilled, the others wait for it and then map its pages instead of prefilling copies.
+    for run in ("generate", "service"):
+        eng.reset_buffers()
+        hits = eng.pool_hit_tokens
+        if run == "generate":
+            got = [r.token_ids for r in eng.generate([p for p, _ in work[:4]],
+                                                     [d for _, d in work[:4]])]
+            assert eng.pages.refs[eng.pages.held[0][:3]].tolist() == [4, 4, 4]
+        else:
+            got = [e[1].token_ids for e in serve(eng, work[:4])]
+        assert got == want[:4], run
+        assert eng.pool_hit_tokens - hits == 3 * 3 * PAGE, run
+        eng.pages.check()
 
 
 def test_an_8k_context_on_a_one_request_pool_equals_dense_attention():

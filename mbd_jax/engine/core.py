@@ -193,6 +193,25 @@ class Engine:
         keys = page_keys(prompt, self.pages.page, len(prompt) // blk * blk)
         return keys, self.pages.lookup(keys)
 
+    def _first_page(self, prompt: Sequence[int]) -> bytes | None:
+        """The key of the prompt's first page if it lies inside the prompt's full blocks (a page
+        that can be shared), else None."""
+        page, blk = self.pages.page, self.cfg.block_size
+        if len(prompt) // blk * blk < page:
+            return None
+        return page_keys(prompt[:page], page, page)[0]
+
+    def waits_for(self, prompt: Sequence[int], admitted: Sequence[Sequence[int]]) -> bool:
+        """Whether `prompt` should be admitted after `admitted` (prompts admitted together,
+        prefilling now) rather than with them: its first page is not in the pool's index but is
+        the first page of one of them, so once that one is prefilled it maps those pages
+        instead of prefilling the same positions again (requests admitted together share
+        nothing: the index learns a prompt when its prefill is done)."""
+        first = self._first_page(prompt) if self.share_prefixes else None
+        if first is None or self.pages.lookup([first]):
+            return False
+        return any(self._first_page(other) == first for other in admitted)
+
     def pages_to_admit(self, prompt: Sequence[int], d: DecodeConfig) -> int:
         """Free pages admitting this request takes now (what a shared prefix saves is not
         counted): the scheduler admits the queue's head while this is <= pages.free."""
@@ -280,7 +299,14 @@ class Engine:
     def _generate_batch(self, prompts: list[np.ndarray], decodes: list[DecodeConfig]) -> list[GenerationResult]:
         """Rows 0..n-1 get the prompts (the rest stay free): the service's admission path."""
         t0 = time.perf_counter()
-        state = self.admit(None, dict(enumerate(zip(prompts, decodes))))
+        later = set()  # prompts sharing a first page with an earlier one: admitted after it
+        for i, p in enumerate(prompts):
+            if self.waits_for(p, [q for j, q in enumerate(prompts[:i]) if j not in later]):
+                later.add(i)
+        rows = dict(enumerate(zip(prompts, decodes)))
+        state = self.admit(None, {i: r for i, r in rows.items() if i not in later})
+        if later:
+            state = self.admit(state, {i: rows[i] for i in sorted(later)})
         state = self.run_decode(state)
         self.went_idle()
         return self.results(state, len(prompts), time.perf_counter() - t0, decodes)

@@ -295,7 +295,8 @@ class Scheduler:
     def _begin_admission(self):
         """Moves waiting requests into free rows and starts their prefill (None if nothing to do).
         Rows no request holds give their KV pages back first; the queue's head waits (and the
-        rest behind it) until the pool has its pages."""
+        rest behind it) until the pool has its pages, or for the next admission when its first
+        page is one a request picked here is about to prefill (it then maps those pages)."""
         free = [i for i in range(self.engine.batch_size) if i not in self._rows]
         idle = [row for row in free if self.engine.pages.held[row]]
         if idle:
@@ -311,8 +312,9 @@ class Scheduler:
                 if not q and thinking_rows < self.cfg.generation.thinking_max_rows:
                     q = self._queues[True]
                 cost = self.engine.pages_to_admit(q[0].prompt, q[0].decode) if q else 0
-                if not q or cost > pages:
-                    break
+                if not q or cost > pages or self.engine.waits_for(
+                        q[0].prompt, [r.prompt for r in picked.values()]):
+                    break  # (a shared first page: the next admission maps it, not prefills)
                 pages -= cost
                 r = q.popleft()
                 thinking_rows += r.thinking
