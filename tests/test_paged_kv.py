@@ -327,3 +327,19 @@ def test_an_8k_context_on_a_one_request_pool_equals_dense_attention():
     want = first_logits(dense_cfg, Engine(dense_cfg, params, batch_size=2, prefill_chunk=2048))
     np.testing.assert_allclose(got, want, atol=1e-4)
     assert np.abs(want).max() > 0.1  # real logits, not padding
+
+
+def test_a_one_shot_warmup_covers_what_shared_prefixes_prefill():
+    """`prefill_buckets_for` follows generate's sharing: the second prompt waits for the first,
+    maps its page and prefills its own 24 tokens (bucket 32), where prefilled together the two
+    would have shared one 32-token call and never run the first's last 8 alone. Nothing
+    compiles after that warm-up."""
+    eng = Engine(tiny_cfg(), tiny_params(), batch_size=2, buffer_size=1, prefill_chunk=64)
+    shared = list(range(10, 10 + PAGE))
+    prompts = [shared + [80] * 8 + [3], shared + [90] * 24 + [3]]  # 72 and 88 full-block tokens
+    assert eng.prefill_buckets_for(prompts) == [8, 32, 64]
+    eng.warmup(buckets=eng.prefill_buckets_for(prompts))
+    warm = compile_stats.compiles()
+    eng.generate(prompts, DecodeConfig(max_new_tokens=8))
+    assert compile_stats.compiles() == warm
+    assert eng.pool_hit_tokens == PAGE

@@ -502,17 +502,34 @@ class Engine:
         return state.replace(done=self._put(done))
 
     def prefill_buckets_for(self, prompts: Sequence[Sequence[int]]) -> list[int]:
-        """The prefill lengths `generate(prompts)` compiles (batch_size rows at a time, no prefix
-        store hits): what a one-shot command needs warm, where the service needs every bucket."""
-        used = set()
-        for s in range(0, len(prompts), self.batch_size):
-            batch = [np.asarray(p) for p in prompts[s: s + self.batch_size]]
+        """The prefill lengths `generate(prompts)` compiles (batch_size rows at a time, prefix
+        pages shared as generate shares them, no prefix store hits, a pool large enough for each
+        batch): what a one-shot command needs warm, where the service needs every bucket."""
+        used, indexed, blk, page = set(), set(), self.cfg.block_size, self.pages.page
+
+        def prefill(batch: list[np.ndarray]) -> None:  # the calls prefill_step makes
             rows = np.ones(len(batch), bool)
-            full = admission.full_blocks(batch, rows, self.cfg.block_size)
+            full = admission.full_blocks(batch, rows, blk)
             start = np.zeros(len(batch), np.int32)
-            while (full > start).any():  # the calls prefill_step makes
+            for i, p in enumerate(batch):
+                keys = page_keys(p, page, int(full[i])) if self.share_prefixes else []
+                while start[i] // page < len(keys) and keys[start[i] // page] in indexed:
+                    start[i] += page
+            while (full > start).any():
                 calls, start = self._next_round(full, start, rows)
                 used.update(call.tokens for call in calls)
+            for p in batch:
+                if self.share_prefixes:
+                    indexed.update(page_keys(p, page, len(p) // blk * blk))
+
+        for s in range(0, len(prompts), self.batch_size):
+            batch = [np.asarray(p) for p in prompts[s: s + self.batch_size]]
+            first = [self._first_page(p) if self.share_prefixes else None for p in batch]
+            later = {i for i, k in enumerate(first)  # as generate splits the batch
+                     if k is not None and k not in indexed and k in first[:i]}
+            prefill([p for i, p in enumerate(batch) if i not in later])
+            if later:
+                prefill([batch[i] for i in sorted(later)])
         return sorted(used)
 
     def _warm_call(self, t: int, rows: np.ndarray) -> PrefillCall:
