@@ -76,6 +76,19 @@ def test_chunked_attention_equals_dense_over_the_paged_pool():
         for kv in (dense_rows, shuffled_pages(dense_rows, 0)):  # the page table is what is read
             chunked = attend(q, kv, jnp.int32(1), pos, visible, blk, chunk)
             np.testing.assert_allclose(np.asarray(chunked), np.asarray(dense), atol=1e-5)
+    # A row whose output is not used (a finished row reading one key) does not hold the others
+    # back from the unmasked part; the used rows still equal dense, the unused one stays finite.
+    start, visible = np.array([72, 40, 96]), jnp.asarray([80, 1, 104])
+    pos = jnp.asarray(start[:, None] + np.arange(t))
+    used = jnp.asarray([True, False, True])
+    dense = layers.dense_attention(q, kb, vb, layers.block_causal_visible(pos, jnp.arange(s),
+                                                                          visible, blk))
+    chunked = jax.jit(layers.chunked_attention, static_argnums=(5, 6))(
+        q, dense_rows, jnp.int32(1), pos, visible, blk, chunk, None, used)
+    np.testing.assert_allclose(np.asarray(chunked)[[0, 2]], np.asarray(dense)[[0, 2]], atol=1e-5)
+    assert np.isfinite(np.asarray(chunked)[1]).all()
+    # ... and it read the first chunk whole (past its one visible key): the unmasked part ran
+    assert not np.allclose(np.asarray(chunked)[1], np.asarray(dense)[1], atol=1e-3)
     # And dense against a direct NumPy softmax for one query.
     bi, ti, hi = 2, 3, 1
     p = int(pos[bi, ti])

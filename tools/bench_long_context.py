@@ -8,8 +8,10 @@ longest context. For each context a prompt of that many tokens is admitted into 
 engine with ROWS rows (the others free); timed: the admission's prefill calls, then decoding
 `--new-tokens` tokens after it (SingleBD, one token per forward: fixed_steps), with every program
 compiled first; with 2 or more rows, then a 20-token request decoded in row 1 after the long
-one finished. Prefill is set against the FLOPs it needs: the time those would take at the float32
-matmul rate measured in the same process (`x FLOP-bound`: prefill seconds over that time).
+one finished, and with 3 or more rows the prompt again in two rows decoded together (its pages
+shared; the other rows free). Prefill is set against the FLOPs it needs: the time those would
+take at the float32 matmul rate measured in the same process (`x FLOP-bound`: prefill seconds
+over that time).
 With `--service CHUNK`, each context is then sent once through `mbd-jax serve` (the preset with
 `max_seq_len` raised, attention chunk CHUNK, the shipped serve config otherwise) as a
 `/v1/completions` request of that many token ids, timed by the client from send to the whole
@@ -99,6 +101,15 @@ def main() -> int:
                     seconds = time.perf_counter() - t
                     after = engine.results(state, 2, seconds, [decode, decode])[1]
                     row["short_after_ms_per_forward"] = round(1000 * seconds / max(after.nfe, 1), 2)
+                if n_rows > 2:  # the prompt again in rows 0 and 1 (its pages shared), the
+                    engine.release(range(n_rows))  # other rows free, decoded together
+                    state = engine.admit(engine.empty_state(), {0: (prompt, decode),
+                                                                1: (prompt, decode)})
+                    t = time.perf_counter()
+                    state = engine.run_decode(state)
+                    seconds = time.perf_counter() - t
+                    two = engine.results(state, 2, seconds, [decode, decode])[0]
+                    row["two_rows_ms_per_forward"] = round(1000 * seconds / max(two.nfe, 1), 2)
             rows.append(row)
             print(json.dumps(row), flush=True)
     served = [serve_once(args.model, base.max_seq_len, args.service, p, args.new_tokens)
@@ -115,14 +126,16 @@ def main() -> int:
     print(f"\nmatmul {matmul:.0f} GFLOP/s (float32, mean of two runs, at the start and the end)\n"
           "\n| context | rows | prefill chunk | attention chunk | prefill s | x FLOP-bound | "
           "prompt tok/s | attention GFLOP/s | decode tok/s | ms / forward | "
-          "short request after it, ms / forward |\n|---|---|---|---|---|---|---|---|---|---|---|",
+          "short request after it, ms / forward | two long rows, ms / forward |"
+          "\n|---|---|---|---|---|---|---|---|---|---|---|---|",
           file=sys.stderr)
     for r in rows:
         print(f"| {r['context']} | {r['rows']} | {r['prefill_chunk']} | {r['attention_chunk']} | "
               f"{r['prefill_s']} | {r['x_flop_bound']} | {r['prompt_tokens_per_s']} | "
               f"{r['attention_gflops_achieved']} | "
               f"{r.get('decode_tokens_per_s', '-')} | {r.get('ms_per_forward', '-')} | "
-              f"{r.get('short_after_ms_per_forward', '-')} |",
+              f"{r.get('short_after_ms_per_forward', '-')} | "
+              f"{r.get('two_rows_ms_per_forward', '-')} |",
               file=sys.stderr)
     if served:
         print("\n| through mbd-jax serve: context | attention chunk | seconds to the answer | "

@@ -27,7 +27,8 @@ class ForwardMeta:
     positions: jax.Array  # [B, T] int32: each token's absolute position
     write_offset: jax.Array | None = None  # [B] int32: cache position of row b's first new token
     visible_len: jax.Array | None = None  # [B] int32: cache positions [0, visible_len) are read
-    write: jax.Array | None = None  # [B] bool: rows whose new entries the cache stores
+    write: jax.Array | None = None  # [B] bool: rows whose new entries the cache stores; the
+    # others' outputs are never read (attention may bound its work by the writing rows)
     rows: jax.Array | None = None  # [B] int32: the cache row of each input row (None: row b)
     mask: jax.Array | None = None  # [B, T, T] bool: explicit attention (no cache)
 

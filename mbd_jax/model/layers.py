@@ -53,23 +53,25 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
 
 def chunked_attention(q: jax.Array, kv: KVCache, layer, q_pos: jax.Array,
                       visible_len: jax.Array, block_size: int, chunk: int,
-                      rows: jax.Array | None = None) -> jax.Array:
+                      rows: jax.Array | None = None, used: jax.Array | None = None) -> jax.Array:
     """Block-causal attention over one layer of the paged KV pool, reading only the used prefix.
 
     An online-softmax loop over `chunk`-sized key slices (one page per row each, through the
     page table); its trip count is ceil(max(visible_len) / chunk), a traced value, so the cost
     follows the longest visible row and not the pool's size, and one compiled program serves
-    every length. The loop runs in two parts: first the key chunks every query of every row
-    sees whole (below the earliest query block and every visible length: no mask to build or
-    apply), then the rest with the block-causal mask.
+    every length. The loop runs in two parts: first the key chunks every query of every used
+    row sees whole (below the earliest query block and every visible length: no mask to build
+    or apply), then the rest with the block-causal mask. A row whose output nobody reads (`used`
+    False: a free or finished row in decode, a row outside a prefill) does not bound the first
+    part; it may read keys past its visible length there, and its output is finite and unused.
 
     Inside the loop a kv head's G query heads are one [G * T] query axis, so each key chunk is
     two plain batched matmuls ([G * T, Dh] x [Dh, chunk], then [G * T, chunk] x [chunk, Dh]) per
     (row, kv head): with a 5-d "btkgd" layout XLA:CPU ran them 2-3x slower (docs/performance.md).
 
     q: [B, T, H, Dh]; kv: the cache (chunk a whole number of pages); layer: int, may be traced;
-    q_pos: [B, T]; visible_len: [B]; rows: [B] the cache row of each query row (None: row b).
-    Returns [B, T, H, Dh].
+    q_pos: [B, T]; visible_len: [B]; rows: [B] the cache row of each query row (None: row b);
+    used: [B] bool, the rows whose output is read (None: every row). Returns [B, T, H, Dh].
     """
     b, t, h, dh = q.shape
     s_max, kh = kv.capacity, kv.kv_heads
@@ -81,8 +83,9 @@ def chunked_attention(q: jax.Array, kv: KVCache, layer, q_pos: jax.Array,
     # Keys at or beyond the end of the last query's block are never visible.
     need = jnp.minimum(jnp.max(visible_len), jnp.max(q_pos // block_size + 1) * block_size)
     n_chunks = jnp.clip((need + chunk - 1) // chunk, 1, s_max // chunk)
-    # Keys below this every query of every row sees: the unmasked part of the loop.
-    seen_by_all = jnp.minimum(jnp.min(q_pos // block_size) * block_size, jnp.min(visible_len))
+    # Keys below this every query of every used row sees: the unmasked part of the loop.
+    seen = jnp.minimum(jnp.min(q_pos // block_size, axis=1) * block_size, visible_len)  # [B]
+    seen_by_all = jnp.min(seen if used is None else jnp.where(used, seen, s_max))
     n_unmasked = jnp.clip(seen_by_all // chunk, 0, n_chunks)
 
     # This layer's key and value pools, taken out once: the loop then carries one layer, not a

@@ -119,7 +119,7 @@ class Attention(nn.Module):
             if cfg.attention_impl == "chunked":
                 out = layers.chunked_attention(q, kv, layer, meta.positions, meta.visible_len,
                                                cfg.block_size, min(cfg.attention_chunk, kv.capacity),
-                                               meta.rows)
+                                               meta.rows, used=meta.write)
             else:
                 k_all, v_all = (kv.span(a, meta.rows, 0, kv.capacity) for a in kv.layer(layer))
                 visible = layers.block_causal_visible(meta.positions, jnp.arange(kv.capacity),
