@@ -9,7 +9,7 @@ block.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -31,6 +31,16 @@ def prefill_buckets(block_size: int, prefill_chunk: int) -> list[int]:
         sizes.append(t)
         t *= 2
     return sizes + [prefill_chunk]
+
+
+def admitted_later(first_pages: Sequence[bytes | None], indexed: Callable[[bytes], bool]
+                   ) -> set[int]:
+    """Which of prompts admitted together wait for a second admission: those whose first page
+    (its key; None: none it could share) is not `indexed` in the KV pool but is the first page
+    of an earlier one. Once that one is prefilled, they map its pages instead of prefilling the
+    same positions (the pool indexes a prompt only when its prefill is done)."""
+    return {i for i, key in enumerate(first_pages)
+            if key is not None and not indexed(key) and key in first_pages[:i]}
 
 
 def runs_alone(tokens: int, row_prefill_min: int) -> bool:

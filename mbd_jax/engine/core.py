@@ -201,16 +201,19 @@ class Engine:
             return None
         return page_keys(prompt[:page], page, page)[0]
 
+    def _admitted_later(self, prompts: Sequence[Sequence[int]],
+                        indexed: Callable[[bytes], bool]) -> set[int]:
+        if not self.share_prefixes:
+            return set()
+        return admission.admitted_later([self._first_page(p) for p in prompts], indexed)
+
+    def _indexed(self, key: bytes) -> bool:
+        return bool(self.pages.lookup([key]))
+
     def waits_for(self, prompt: Sequence[int], admitted: Sequence[Sequence[int]]) -> bool:
-        """Whether `prompt` should be admitted after `admitted` (prompts admitted together,
-        prefilling now) rather than with them: its first page is not in the pool's index but is
-        the first page of one of them, so once that one is prefilled it maps those pages
-        instead of prefilling the same positions again (requests admitted together share
-        nothing: the index learns a prompt when its prefill is done)."""
-        first = self._first_page(prompt) if self.share_prefixes else None
-        if first is None or self.pages.lookup([first]):
-            return False
-        return any(self._first_page(other) == first for other in admitted)
+        """Whether `prompt` waits for the next admission rather than joining `admitted` (the
+        prompts picked for this one): admission.admitted_later's rule."""
+        return len(admitted) in self._admitted_later([*admitted, prompt], self._indexed)
 
     def pages_to_admit(self, prompt: Sequence[int], d: DecodeConfig) -> int:
         """Free pages admitting this request takes now (what a shared prefix saves is not
@@ -299,10 +302,7 @@ class Engine:
     def _generate_batch(self, prompts: list[np.ndarray], decodes: list[DecodeConfig]) -> list[GenerationResult]:
         """Rows 0..n-1 get the prompts (the rest stay free): the service's admission path."""
         t0 = time.perf_counter()
-        later = set()  # prompts sharing a first page with an earlier one: admitted after it
-        for i, p in enumerate(prompts):
-            if self.waits_for(p, [q for j, q in enumerate(prompts[:i]) if j not in later]):
-                later.add(i)
+        later = self._admitted_later(prompts, self._indexed)  # after the prompt they share with
         rows = dict(enumerate(zip(prompts, decodes)))
         state = self.admit(None, {i: r for i, r in rows.items() if i not in later})
         if later:
@@ -524,9 +524,7 @@ class Engine:
 
         for s in range(0, len(prompts), self.batch_size):
             batch = [np.asarray(p) for p in prompts[s: s + self.batch_size]]
-            first = [self._first_page(p) if self.share_prefixes else None for p in batch]
-            later = {i for i, k in enumerate(first)  # as generate splits the batch
-                     if k is not None and k not in indexed and k in first[:i]}
+            later = self._admitted_later(batch, indexed.__contains__)  # as generate splits it
             prefill([p for i, p in enumerate(batch) if i not in later])
             if later:
                 prefill([batch[i] for i in sorted(later)])

@@ -48,15 +48,20 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def _prepare(q, k, v, g, beta):
-    """Float32, q and k L2-normalised (q also scaled by Dk^-1/2) and repeated to the value heads;
-    every tensor head-major: q, k [B, Hv, T, Dk], v [B, Hv, T, Dv], g, beta [B, Hv, T]."""
-    hk, hv = k.shape[2], v.shape[2]
+def _heads(x: jax.Array, hv: int, scale: float = 1.0) -> jax.Array:
+    """q or k [B, T, Hk, Dk] L2-normalised in float32, scaled, repeated to the Hv value heads
+    (query/key head i serves value heads [i * Hv / Hk, (i + 1) * Hv / Hk))."""
+    hk = x.shape[2]
     if hv % hk:
         raise ValueError(f"value heads {hv} must be a multiple of query/key heads {hk}")
-    q = l2_normalize(q) * q.shape[-1] ** -0.5
-    k = l2_normalize(k)
-    q, k = (jnp.repeat(x, hv // hk, axis=2) for x in (q, k))
+    return jnp.repeat(l2_normalize(x) * scale, hv // hk, axis=2)
+
+
+def _prepare(q, k, v, g, beta):
+    """Float32, q and k through `_heads` (q scaled by Dk^-1/2); every tensor head-major: q, k
+    [B, Hv, T, Dk], v [B, Hv, T, Dv], g, beta [B, Hv, T]."""
+    hv = v.shape[2]
+    q, k = _heads(q, hv, q.shape[-1] ** -0.5), _heads(k, hv)
     f32 = jnp.float32
     return (jnp.swapaxes(q, 1, 2), jnp.swapaxes(k, 1, 2), jnp.swapaxes(v.astype(f32), 1, 2),
             jnp.swapaxes(g.astype(f32), 1, 2), jnp.swapaxes(beta.astype(f32), 1, 2))
@@ -139,10 +144,9 @@ def block_outputs(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: 
     if mode == "causal":
         return o, states
     # bidirectional: every position of block n reads the state after block n
-    b, t, hk, dk = q.shape
+    b, t, _, dk = q.shape
     hv = v.shape[2]
-    qn = jnp.repeat(l2_normalize(q) * dk ** -0.5, hv // hk, axis=2)  # as _prepare does
-    qn = qn.reshape(b, t // block, block, hv, dk)
+    qn = _heads(q, hv, dk ** -0.5).reshape(b, t // block, block, hv, dk)
     o = jnp.einsum("bnchk,bnhkv->bnchv", qn, states).reshape(b, t, hv, -1)
     return o, states
 
@@ -164,7 +168,9 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, tail: jax.Array,
 
 
 def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm of x (float32) times weight, then times silu(gate); x, gate: [..., D]."""
+    """RMSNorm of x (float32) times weight, then times silu(gate); x, gate: [..., D]. Not
+    layers.rms_norm: the weight multiplies in x's dtype here, as the checkpoints' reference does
+    (the two round differently in bfloat16)."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     y = (weight * y.astype(x.dtype)).astype(jnp.float32)
