@@ -17,8 +17,9 @@ import jax
 import yaml
 from jax.sharding import Mesh
 
-from mbd_jax.config import (GENERATION_FILE, ModelConfig, from_dict, latest_version, load_yaml,
-                             model_generation_settings, resolve_model_path, with_runtime)
+from mbd_jax.config import (GENERATION_FILE, ModelConfig, config_dict, from_dict, latest_version,
+                             load_yaml, model_generation_settings, resolve_model_path,
+                             with_runtime)
 from mbd_jax.errors import ConfigError
 from mbd_jax.parallel import mesh as meshlib
 from mbd_jax.tokenizer import Tokenizer, load_tokenizer
@@ -44,8 +45,7 @@ def save_model(out_dir: str | pathlib.Path, cfg: ModelConfig, params: Any, *,
     out = pathlib.Path(out_dir).absolute()
     out.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
-        d = dataclasses.asdict(dataclasses.replace(cfg, init="checkpoint"))
-        d["eos_token_ids"] = list(d["eos_token_ids"])
+        d = config_dict(dataclasses.replace(cfg, init="checkpoint"))
         (out / "config.yaml").write_text(yaml.safe_dump(d, sort_keys=False))
     ckpt = ocp.StandardCheckpointer()
     if not canonical:

@@ -246,7 +246,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from mbd_jax.convert import convert
 
     manifest = convert(args.src, args.dst, family=args.family, dtype=args.dtype,
-                       mask_token_id=args.mask_token_id, block_size=args.block_size)
+                       mask_token_id=args.mask_token_id, block_size=args.block_size,
+                       block_mode=args.block_mode)
     print(json.dumps({k: v for k, v in manifest.items() if k != "files"}))
     return 0
 
@@ -318,6 +319,14 @@ def add_convert_args(c: argparse.ArgumentParser) -> None:
     c.add_argument("--block-size", type=int,
                    help="the model's diffusion block size (default: config.json's block_size / "
                         "block_length; required when it states none)")
+    import typing
+
+    from mbd_jax.config import BlockMode
+
+    c.add_argument("--block-mode", choices=typing.get_args(BlockMode),
+                   help="how a hybrid model's linear-attention layers read inside a block "
+                        "(default: config.json's block_mode; required for a hybrid when it states "
+                        "none; docs/architecture.md)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -64,6 +64,11 @@ def resolve_auto(field: str, value: str, backend: str | None = None) -> str:
     table = AUTO[field]
     return table.get(backend, table["*"])
 DType = Literal["float32", "bfloat16", "float16"]
+# What mixes tokens in a layer: softmax attention over the KV cache, or a gated delta rule over a
+# recurrent state (SequenceModule below).
+LayerType = Literal["full_attention", "linear_attention"]
+# How a linear-attention layer reads inside a block (model/delta_rule.py, docs/architecture.md).
+BlockMode = Literal["causal", "bidirectional"]
 RopeType = Literal["linear", "yarn", "llama3"]  # static rope scalings (model/rope.py)
 
 
@@ -208,6 +213,35 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class SequenceModule:
+    """The linear-attention layers of a hybrid model (Gated DeltaNet between gated attention
+    layers, the Qwen3-Next / Qwen3.5 layout): which layers they are, their shape, and how they
+    read inside a block. Every field is stated: a model directory that leaves one out is refused
+    at load, by name (a wrong sequence module decodes garbage, it does not fail)."""
+
+    type: Literal["gated_deltanet"]
+    block_mode: BlockMode
+    layer_types: tuple[LayerType, ...]  # one per layer
+    num_key_heads: int  # query/key heads (each serves num_value_heads / num_key_heads value heads)
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int  # the short causal depthwise convolution's width
+    chunk_size: int  # tokens per chunk of the chunked delta rule (a multiple of block_size)
+
+    def validate(self, where: str = "sequence_module") -> None:
+        for f in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim",
+                  "conv_kernel", "chunk_size"):
+            _check(getattr(self, f) > 0, where, f"field '{f}' must be > 0, got {getattr(self, f)}")
+        _check(self.num_value_heads % self.num_key_heads == 0, where,
+               f"field 'num_value_heads' ({self.num_value_heads}) must be a multiple of "
+               f"'num_key_heads' ({self.num_key_heads})")
+        _check("linear_attention" in self.layer_types, where,
+               "field 'layer_types' lists no 'linear_attention' layer (an attention-only model has "
+               "no sequence_module)")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """The architecture of one block-diffusion transformer (LLaDA2 / SDAR / Qwen3-MoE families)."""
 
@@ -242,6 +276,14 @@ class ModelConfig:
     attention_chunk: int = 256  # keys per online-softmax chunk in the chunked path
     layer_loop: LayerLoop = "auto"
     tie_word_embeddings: bool = False
+    # Gated attention (Qwen3-Next): a sigmoid gate on each head's output, from its own projection.
+    attention_output_gate: bool = False
+    # RMSNorm weights stored as an offset from one, y * (1 + w) (Qwen3-Next's norms; init 0).
+    norm_weight_offset: bool = False
+    # A sigmoid gate (one weight vector) on the shared experts' output (Qwen3-Next).
+    shared_expert_gate: bool = False
+    # Linear-attention layers beside the attention ones (None: every layer is attention).
+    sequence_module: SequenceModule | None = None
     # Block diffusion.
     max_seq_len: int = 4096
     block_size: int = 32
@@ -283,6 +325,14 @@ class ModelConfig:
             _check(0 <= e < self.vocab_size and e != self.mask_token_id, where,
                    f"field 'eos_token_ids' has {e}: ids must be in [0, vocab_size) and differ "
                    "from mask_token_id")
+        if self.sequence_module is not None:
+            sm = self.sequence_module
+            _check(len(sm.layer_types) == self.num_layers, where,
+                   f"field 'sequence_module.layer_types' lists {len(sm.layer_types)} layers, the "
+                   f"model has num_layers={self.num_layers}")
+            _check(sm.chunk_size % self.block_size == 0, where,
+                   f"field 'sequence_module.chunk_size' ({sm.chunk_size}) must be a multiple of "
+                   f"'block_size' ({self.block_size})")
         if self.num_experts > 0:
             _check(self.first_k_dense < self.num_layers, where,
                    "num_experts > 0 but first_k_dense == num_layers leaves no MoE layer")
@@ -308,16 +358,34 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer >= self.first_k_dense
 
+    def layer_type(self, layer: int) -> str:
+        """What mixes tokens in `layer` (LayerType)."""
+        return "full_attention" if self.sequence_module is None else self.sequence_module.layer_types[layer]
+
+    def layer_kind(self, layer: int) -> tuple[str, bool]:
+        """What makes two layers identical (one scanned run): the token mixer and the MLP kind."""
+        return self.layer_type(layer), self.is_moe_layer(layer)
+
     def num_params(self) -> int:
         d, h, kvh, hd = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
-        attn = d * (h + 2 * kvh) * hd + h * hd * d + (2 * hd if self.qk_norm else 0) + 2 * d
+        attn = (d * (h * (2 if self.attention_output_gate else 1) + 2 * kvh) * hd + h * hd * d
+                + (2 * hd if self.qk_norm else 0))
         total = self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + d
         for layer in range(self.num_layers):
-            total += attn
+            total += 2 * d  # the two norms
+            if self.layer_type(layer) == "linear_attention":
+                sm = self.sequence_module
+                qk, v = sm.num_key_heads * sm.key_head_dim, sm.num_value_heads * sm.value_head_dim
+                total += (d * (2 * qk + 2 * v + 2 * sm.num_value_heads)  # q, k, v, z, b, a
+                          + sm.conv_kernel * (2 * qk + v) + 2 * sm.num_value_heads  # conv, A, dt
+                          + sm.value_head_dim + v * d)  # gated norm, out
+            else:
+                total += attn
             if self.is_moe_layer(layer):
                 f = self.moe_intermediate_size
                 total += self.num_experts * 3 * d * f + d * self.num_experts
                 total += self.num_shared_experts * 3 * d * f
+                total += d if self.shared_expert_gate else 0
                 total += self.num_experts if self.router == "sigmoid_grouped" else 0
             else:
                 total += 3 * d * self.intermediate_size
@@ -356,6 +424,16 @@ class RuntimeConfig:
 RUNTIME_FIELDS = tuple(f.name for f in dataclasses.fields(RuntimeConfig))
 
 
+def config_dict(cfg: Any) -> dict[str, Any]:
+    """A config dataclass as plain YAML/JSON data (nested configs as mappings, tuples as lists):
+    what from_dict reads back."""
+    def plain(x):
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        return [plain(v) for v in x] if isinstance(x, (list, tuple)) else x
+    return plain(dataclasses.asdict(cfg))
+
+
 def with_runtime(cfg: ModelConfig, overrides: dict[str, Any] | None, where: str) -> ModelConfig:
     """`cfg` with runtime settings replaced (None values ignored); anything else is refused."""
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
@@ -368,9 +446,7 @@ def with_runtime(cfg: ModelConfig, overrides: dict[str, Any] | None, where: str)
     if overrides.get("max_seq_len", 0) > cfg.max_seq_len:
         raise ConfigError(f"{where}: max_seq_len {overrides['max_seq_len']} exceeds the model's "
                           f"{cfg.max_seq_len}")
-    data = {**dataclasses.asdict(cfg), **overrides}
-    data["eos_token_ids"] = list(data["eos_token_ids"])
-    return from_dict(ModelConfig, data, where=where)
+    return from_dict(ModelConfig, {**config_dict(cfg), **overrides}, where=where)
 
 
 def load_yaml(path: pathlib.Path) -> Any:

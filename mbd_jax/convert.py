@@ -2,7 +2,9 @@
 manifest.json).
 
 Families: `llada2_moe` (LLaDA2: fused query_key_value, sigmoid grouped routing with expert_bias,
-shared experts), `sdar` (Qwen3 architecture), `sdar_moe` (Qwen3-MoE). Tensors are read one at a
+shared experts), `sdar` (Qwen3 architecture), `sdar_moe` (Qwen3-MoE), `qwen3_next` (the Gated
+DeltaNet hybrid: Qwen3-Next, and Qwen3.5-MoE's text model, whose linear layers keep q/k/v, z, b
+and a in separate projections instead of Qwen3-Next's per-key-head groups). Tensors are read one at a
 time (safetensors `safe_open`, or one `.bin` shard at a time) and written into preallocated
 parameter arrays of the target dtype, so host memory holds about one copy of the model.
 """
@@ -22,12 +24,12 @@ import numpy as np
 import yaml
 
 from mbd_jax.checkpoint import save_model, write_manifest
-from mbd_jax.config import (GENERATION_FILE, DecodeConfig, ModelConfig, RopeScaling, RopeType,
-                            from_dict)
+from mbd_jax.config import (GENERATION_FILE, BlockMode, DecodeConfig, ModelConfig, RopeScaling,
+                            RopeType, SequenceModule, from_dict)
 from mbd_jax.errors import ConfigError, UserError
 
 CONVERTER_VERSION = "1"
-FAMILIES = ("llada2_moe", "sdar", "sdar_moe")
+FAMILIES = ("llada2_moe", "sdar", "sdar_moe", "qwen3_next")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "chat_template.jinja", "generation_config.json")
 MASK_TOKENS = ("<|mask|>", "<|MASK|>", "[MASK]", "<mask>")
@@ -39,6 +41,8 @@ log = logging.getLogger("mbd_jax.convert")
 def detect_family(hf: dict) -> str:
     model_type = hf.get("model_type", "")
     arch = " ".join(hf.get("architectures") or [])
+    if model_type in ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text") or "Qwen3Next" in arch:
+        return "qwen3_next"
     if model_type == "llada2_moe" or "LLaDA2" in arch:
         return "llada2_moe"
     if model_type in ("qwen3_moe", "sdar_moe") or "Qwen3Moe" in arch or "SDARMoe" in arch:
@@ -80,8 +84,43 @@ def rope_scaling(rope: dict) -> RopeScaling | None:
     return from_dict(RopeScaling, out, where="config.json rope parameters")
 
 
+def text_config(hf: dict) -> dict:
+    """A multimodal checkpoint's text model config (Qwen3.5's nested `text_config`), with the
+    top level's token ids where the text config leaves them out; a text-only config as it is."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        return hf
+    ids = ("eos_token_id", "pad_token_id", "mask_token_id", "tie_word_embeddings", *BLOCK_SIZE_KEYS,
+           "block_mode")
+    return {**{k: hf[k] for k in ids if k in hf}, **text}
+
+
+def sequence_module(hf: dict, block_size: int, block_mode: str | None) -> SequenceModule:
+    """The linear-attention layers a Qwen3-Next / Qwen3.5 config describes, read in `block_mode`
+    (--block-mode, else config.json's block_mode: never a guess, the two read a block
+    differently)."""
+    mode = block_mode or hf.get("block_mode")
+    if mode is None:
+        raise UserError("config.json states no block_mode for the linear-attention layers; pass "
+                        f"--block-mode ({' or '.join(typing.get_args(BlockMode))})")
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:  # every full_attention_interval-th layer is attention
+        every = int(hf.get("full_attention_interval", 4))
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+    chunk = block_size * max(1, 64 // block_size)  # the reference's chunk of 64, in whole blocks
+    return from_dict(SequenceModule, {
+        "type": "gated_deltanet", "block_mode": mode, "layer_types": list(types),
+        "num_key_heads": hf.get("linear_num_key_heads"),
+        "num_value_heads": hf.get("linear_num_value_heads"),
+        "key_head_dim": hf.get("linear_key_head_dim"),
+        "value_head_dim": hf.get("linear_value_head_dim"),
+        "conv_kernel": hf.get("linear_conv_kernel_dim"), "chunk_size": chunk},
+        where="config.json linear attention")
+
+
 def model_config(hf: dict, family: str, name: str, dtype: str, mask_token_id: int,
-                 eos_ids: list[int], block_size: int) -> ModelConfig:
+                 eos_ids: list[int], block_size: int, block_mode: str | None = None) -> ModelConfig:
     def need(key: str):
         if key not in hf:
             raise UserError(f"config.json: missing '{key}' (needed for family {family})")
@@ -111,6 +150,21 @@ def model_config(hf: dict, family: str, name: str, dtype: str, mask_token_id: in
     )
     if family == "sdar":
         return ModelConfig(**common, num_experts=0, chat_template="qwen")
+    if family == "qwen3_next":
+        if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+            raise UserError("config.json: only all-MoE Qwen3-Next layouts are supported "
+                            "(decoder_sparse_step 1, no mlp_only_layers)")
+        f, shared = need("moe_intermediate_size"), need("shared_expert_intermediate_size")
+        if shared % f:
+            raise UserError(f"config.json: shared_expert_intermediate_size {shared} is not a "
+                            f"multiple of moe_intermediate_size {f}")
+        return ModelConfig(
+            **common, num_experts=need("num_experts"), num_experts_per_tok=need("num_experts_per_tok"),
+            moe_intermediate_size=f, num_shared_experts=shared // f, shared_expert_gate=True,
+            router="softmax_topk", norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            rotary_fraction=float(partial), attention_output_gate=True, norm_weight_offset=True,
+            sequence_module=sequence_module(hf, block_size, block_mode), moe_impl="auto",
+            chat_template="qwen")
     if family == "sdar_moe":
         sparse_step = hf.get("decoder_sparse_step", 1)
         if sparse_step != 1 or hf.get("mlp_only_layers"):
@@ -215,22 +269,39 @@ def _to_numpy(t) -> np.ndarray:
 Assign = Callable[[np.ndarray], None]
 
 
+TEXT_MODEL = "model.language_model."  # a multimodal checkpoint's text model (Qwen3.5)
+SKIPPED = ("model.visual.", "mtp.")  # its vision tower, multi-token-prediction heads: not converted
+
+
 def _plan(cfg: ModelConfig, family: str, names: set[str]) -> Iterator[tuple[str, tuple, Callable]]:
     """(hf tensor name, our param path, transform hf array -> our array) for every tensor."""
     d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     llada = family == "llada2_moe"
-    yield ("model.word_embeddings.weight" if llada else "model.embed_tokens.weight"), ("embed",), None
-    yield "model.norm.weight", ("final_norm",), None
+    model = TEXT_MODEL if any(n.startswith(TEXT_MODEL) for n in names) else "model."
+    yield (f"{model}word_embeddings.weight" if llada else f"{model}embed_tokens.weight"), ("embed",), None
+    yield f"{model}norm.weight", ("final_norm",), None
     if not cfg.tie_word_embeddings:
         yield "lm_head.weight", ("lm_head",), np.transpose
     q_t = lambda w: w.T.reshape(d, h, dh)  # noqa: E731  [H*Dh, D] -> [D, H, Dh]
     kv_t = lambda w: w.T.reshape(d, k, dh)  # noqa: E731
     o_t = lambda w: w.T.reshape(h, dh, d)  # noqa: E731  [D, H*Dh] -> [H, Dh, D]
     for i in range(cfg.num_layers):
-        p, ours = f"model.layers.{i}", f"layer_{i}"
+        p, ours = f"{model}layers.{i}", f"layer_{i}"
         yield f"{p}.input_layernorm.weight", (ours, "input_norm"), None
         yield f"{p}.post_attention_layernorm.weight", (ours, "post_attn_norm"), None
-        if llada:
+        if cfg.layer_type(i) == "linear_attention":
+            yield from _linear_attention(cfg, f"{p}.linear_attn", (ours, "linear_attn"), names)
+        elif cfg.attention_output_gate:  # q_proj holds [query; gate] per head
+            a = f"{p}.self_attn"
+            q_gate = lambda w: w.reshape(h, 2, dh, d).transpose(1, 3, 0, 2)  # noqa: E731 [2, D, H, Dh]
+            yield f"{a}.q_proj.weight", (ours, "attn", "q_proj"), lambda w: q_gate(w)[0]
+            yield f"{a}.q_proj.weight", (ours, "attn", "gate_proj"), lambda w: q_gate(w)[1]
+            yield f"{a}.k_proj.weight", (ours, "attn", "k_proj"), kv_t
+            yield f"{a}.v_proj.weight", (ours, "attn", "v_proj"), kv_t
+            yield f"{a}.o_proj.weight", (ours, "attn", "o_proj"), o_t
+            yield f"{a}.q_norm.weight", (ours, "attn", "q_norm"), None
+            yield f"{a}.k_norm.weight", (ours, "attn", "k_norm"), None
+        elif llada:
             a = f"{p}.attention"
             qkv = f"{a}.query_key_value.weight"
             yield qkv, (ours, "attn", "q_proj"), lambda w: q_t(w[: h * dh])
@@ -258,8 +329,54 @@ def _plan(cfg: ModelConfig, family: str, names: set[str]) -> Iterator[tuple[str,
             yield f"{m}.gate.expert_bias", (ours, "moe", "expert_bias"), None
         yield from _experts(cfg, m, ours, names)
         if cfg.num_shared_experts:
+            shared = f"{m}.shared_expert" if cfg.shared_expert_gate else f"{m}.shared_experts"
             for proj in ("gate_proj", "up_proj", "down_proj"):
-                yield f"{m}.shared_experts.{proj}.weight", (ours, "moe", "shared", proj), np.transpose
+                yield f"{shared}.{proj}.weight", (ours, "moe", "shared", proj), np.transpose
+        if cfg.shared_expert_gate:
+            yield f"{m}.shared_expert_gate.weight", (ours, "moe", "shared_gate"), lambda w: w[0]
+
+
+def _linear_attention(cfg: ModelConfig, src: str, ours: tuple, names: set[str]):
+    """A Gated DeltaNet layer: Qwen3-Next's projections grouped per key head (in_proj_qkvz: for
+    each key head, its q, k, then its value heads' v and z; in_proj_ba: its b, then its a), or
+    Qwen3.5's separate ones (in_proj_qkv: all q heads, all k heads, all v heads; in_proj_z, _b,
+    _a)."""
+    sm = cfg.sequence_module
+    d, hk, hv, dk, dv = (cfg.hidden_size, sm.num_key_heads, sm.num_value_heads, sm.key_head_dim,
+                         sm.value_head_dim)
+    per = hv // hk  # value heads per key head
+    heads = lambda w, n, dim: w.reshape(n, dim, d).transpose(2, 0, 1)  # noqa: E731 [n*dim, D] -> [D, n, dim]
+    if f"{src}.in_proj_qkvz.weight" in names:
+        qkvz = f"{src}.in_proj_qkvz.weight"
+        group = lambda w: w.reshape(hk, 2 * dk + 2 * per * dv, d)  # noqa: E731
+        cut = (0, dk, 2 * dk, 2 * dk + per * dv, 2 * dk + 2 * per * dv)
+        for name, (lo, hi), n, dim in (("q_proj", cut[0:2], hk, dk), ("k_proj", cut[1:3], hk, dk),
+                                       ("v_proj", cut[2:4], hv, dv), ("z_proj", cut[3:5], hv, dv)):
+            yield qkvz, (*ours, name), lambda w, lo=lo, hi=hi, n=n, dim=dim: heads(
+                group(w)[:, lo:hi].reshape(n * dim, d), n, dim)
+        ba = f"{src}.in_proj_ba.weight"
+        yield ba, (*ours, "b_proj"), lambda w: w.reshape(hk, 2, per, d)[:, 0].reshape(hv, d).T
+        yield ba, (*ours, "a_proj"), lambda w: w.reshape(hk, 2, per, d)[:, 1].reshape(hv, d).T
+    else:
+        qkv = f"{src}.in_proj_qkv.weight"
+        cut = (0, hk * dk, 2 * hk * dk, 2 * hk * dk + hv * dv)
+        for name, (lo, hi), n, dim in (("q_proj", cut[0:2], hk, dk), ("k_proj", cut[1:3], hk, dk),
+                                       ("v_proj", cut[2:4], hv, dv)):
+            yield qkv, (*ours, name), lambda w, lo=lo, hi=hi, n=n, dim=dim: heads(w[lo:hi], n, dim)
+        yield f"{src}.in_proj_z.weight", (*ours, "z_proj"), lambda w: heads(w, hv, dv)
+        yield f"{src}.in_proj_b.weight", (*ours, "b_proj"), np.transpose
+        yield f"{src}.in_proj_a.weight", (*ours, "a_proj"), np.transpose
+    # conv1d [C, 1, W] over the channels [q heads; k heads; v heads] -> [W, heads, dim] each
+    conv = f"{src}.conv1d.weight"
+    cut = (0, hk * dk, 2 * hk * dk, 2 * hk * dk + hv * dv)
+    for name, (lo, hi), n, dim in (("conv_q", cut[0:2], hk, dk), ("conv_k", cut[1:3], hk, dk),
+                                   ("conv_v", cut[2:4], hv, dv)):
+        yield conv, (*ours, name), lambda w, lo=lo, hi=hi, n=n, dim=dim: \
+            w[lo:hi, 0].T.reshape(-1, n, dim)
+    yield f"{src}.A_log", (*ours, "A_log"), None
+    yield f"{src}.dt_bias", (*ours, "dt_bias"), None
+    yield f"{src}.norm.weight", (*ours, "norm"), None
+    yield f"{src}.out_proj.weight", (*ours, "out_proj"), lambda w: w.T.reshape(hv, dv, d)
 
 
 def _experts(cfg: ModelConfig, m: str, ours: str, names: set[str]):
@@ -348,7 +465,8 @@ def source_block_size(hf: dict, given: int | None) -> int:
 
 def convert(src: str | pathlib.Path, dst: str | pathlib.Path, *, family: str = "auto",
             dtype: str = "bfloat16", mask_token_id: int | None = None,
-            block_size: int | None = None, progress: bool = True) -> dict[str, Any]:
+            block_size: int | None = None, block_mode: str | None = None,
+            progress: bool = True) -> dict[str, Any]:
     """Converts a Hugging Face checkpoint directory; returns the manifest. `dtype` is the
     parameters' and the compute dtype (change compute_dtype at load with --compute-dtype)."""
     import ml_dtypes
@@ -359,12 +477,13 @@ def convert(src: str | pathlib.Path, dst: str | pathlib.Path, *, family: str = "
         raise UserError(f"--src {src}: no config.json")
     hf = json.loads((src / "config.json").read_text())
     family = detect_family(hf) if family == "auto" else family
+    hf = text_config(hf)
     if family not in FAMILIES:
         raise UserError(f"--family {family!r}: expected auto or one of {', '.join(FAMILIES)}")
     mask_id, eos_ids = _special_ids(src, hf, mask_token_id)
     block_size = source_block_size(hf, block_size)
     try:
-        cfg = model_config(hf, family, src.name, dtype, mask_id, eos_ids, block_size)
+        cfg = model_config(hf, family, src.name, dtype, mask_id, eos_ids, block_size, block_mode)
         cfg.validate("converted config")
     except ConfigError as e:
         raise UserError(f"config.json does not give a valid model: {e}") from None
@@ -412,7 +531,11 @@ def convert(src: str | pathlib.Path, dst: str | pathlib.Path, *, family: str = "
     missing = [k for k, v in seen.items() if not v]
     if missing:
         raise UserError(f"no checkpoint tensor fills parameter {'/'.join(missing[0])}")
-    unused = sorted(set(source.names) - used - {n for n in source.names if "rotary_emb" in n})
+    skipped = {n for n in source.names if "rotary_emb" in n or n.startswith(SKIPPED)}
+    if any(n.startswith(SKIPPED) for n in skipped):
+        log.info("not converted (the text model only): %d tensors under %s", len(skipped),
+                 " / ".join(SKIPPED))
+    unused = sorted(set(source.names) - used - skipped)
     if unused:
         raise UserError(f"checkpoint tensor '{unused[0]}' (and {len(unused) - 1} more) is not used "
                         f"by family {family}: wrong --family?")

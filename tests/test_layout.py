@@ -47,8 +47,10 @@ def test_scanned_params_are_the_unrolled_ones_stacked(cfg):
         (2,) + flat["layer_1"]["moe"]["experts_up"].shape
     back = layout.to_canonical(stacked, scanned)
     assert jax.tree.structure(back) == jax.tree.structure(flat)
+    # the same draws (another key would differ by O(1)); the normal transform may round an ulp
+    # apart between the two programs under the suite's XLA flags (tests/conftest.py)
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(flat)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 
 def test_scanned_forward_equals_unrolled_on_both_paths(cfg):

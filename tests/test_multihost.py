@@ -59,20 +59,30 @@ def run_two(args: list[str]) -> list[str]:
     return [out for out, _ in outs]
 
 
-def test_two_processes_generate_what_one_does():
+@pytest.fixture(scope="module")
+def offline():
+    """tiny-mbd's engine in this process, on one device: what the two-process runs must equal."""
+    m = load_model("tiny-mbd")
+    engine = Engine(m.cfg, m.params, batch_size=8, buffer_size=2, prefill_chunk=64,
+                    tokenizer=m.tokenizer)
+    return m, engine
+
+
+def test_two_processes_generate_what_one_does(offline):
     args = [sys.executable, "-m", "mbd_jax", "generate", "--model", "tiny-mbd", "--json",
             "--max-new-tokens", "24", "--buffer-size", "2"]
     for p in PROMPTS:
         args += ["--prompt-ids", p]
-    one = run_one(args)
     outs = run_two(args + ["--mesh", "expert=2,tensor=2"])
-    want = [r["token_ids"] for r in json_lines(one)]
+    want = [r.token_ids for r in offline[1].generate(
+        [[int(t) for t in p.split(",")] for p in PROMPTS],
+        DecodeConfig(buffer_size=2, max_new_tokens=24))]
     assert len(want) == 3 and any(len(t) > 4 for t in want)
     assert [r["token_ids"] for r in json_lines(outs[0])] == want  # process 0 prints
     assert json_lines(outs[1]) == []  # the other does not
 
 
-def test_two_process_service_answers_like_offline(tmp_path):
+def test_two_process_service_answers_like_offline(tmp_path, offline):
     """Process 0 serves HTTP and sends every engine call to process 1; the completions equal
     offline generation on one device, and SIGTERM on process 0 stops both cleanly."""
     port = free_port()
@@ -88,12 +98,10 @@ def test_two_process_service_answers_like_offline(tmp_path):
         sections = {"model": "tiny-mbd", "cache": {"enabled": False}}
         srv = Server(tmp_path, [KEY], sections=sections,
                      args=("--mesh", "expert=2,tensor=2", *launch_flags(port, 0)),
-                     env=dict(TWO_DEVICES, MBD_HEARTBEAT_S="2"),
+                     env=dict(TWO_DEVICES, MBD_HEARTBEAT_S="1"),
                      prefill_chunk=8)  # 2 prefill buckets to compile; a prompt may take 2 chunks
         try:
-            m = load_model("tiny-mbd")
-            engine = Engine(m.cfg, m.params, batch_size=8, buffer_size=2, prefill_chunk=64,
-                            tokenizer=m.tokenizer)
+            m, engine = offline
             prompts = ["12+30=", "sort: 3 1 2", "reverse: a b c d"]
             want = engine.generate([m.tokenizer.encode(p) for p in prompts],
                                    DecodeConfig(buffer_size=2, max_new_tokens=20))
@@ -104,7 +112,7 @@ def test_two_process_service_answers_like_offline(tmp_path):
                     assert r.status_code == 200, r.text
                     assert r.json()["choices"][0]["text"] == w.text
                     assert r.json()["usage"]["completion_tokens"] == len(w.token_ids)
-            time.sleep(5)  # idle past two heartbeats; the service still answers after them
+            time.sleep(2.5)  # idle past two heartbeats; the service still answers after them
             r = httpx.post(srv.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                            json={"model": "tiny-mbd", "prompt": prompts[0], "max_tokens": 20},
                            timeout=120)

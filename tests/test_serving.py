@@ -356,8 +356,10 @@ def test_rate_limit_queue_full_and_sigterm_drain(tmp_path):
 def test_deadlines_give_504(tmp_path):
     """One row: a long request exceeds generation_timeout_ms (504) while a second one, stuck in the
     queue behind it, exceeds queue_timeout_ms (503); the server keeps serving afterwards."""
-    srv = Server(tmp_path, [KEY], max_batch_size=1, queue_timeout_ms=60, generation_timeout_ms=200)
+    srv = Server(tmp_path, [KEY], max_batch_size=1, queue_timeout_ms=60,
+                 generation_timeout_ms=3000)
     try:
+        # ~1000 forwards: far longer than the budget on any machine
         slow = {"prompt": "hi", "max_tokens": 1000,
                 "decoding": {"buffer_size": 1, "policy": "fixed_steps", "steps_per_block": 8}}
 
@@ -365,7 +367,11 @@ def test_deadlines_give_504(tmp_path):
             async with httpx.AsyncClient(base_url=srv.url, timeout=60,
                                          headers={"Authorization": f"Bearer {KEY}"}) as c:
                 first = asyncio.create_task(c.post("/v1/completions", json=slow))
-                await asyncio.sleep(0.05)
+                # the second is sent once the first holds the only row (a fixed sleep raced it
+                # on a loaded machine), and waits in the queue past queue_timeout_ms
+                while srv.metrics()["mbd_busy_rows"] < 1:
+                    assert not first.done(), first.result().text
+                    await asyncio.sleep(0.02)
                 second = await c.post("/v1/completions", json={"prompt": "yo", "max_tokens": 4})
                 return await first, second
 

@@ -3,10 +3,10 @@
 Canonical layout: one subtree per layer, `layer_{i}`. Model directories store it, conversion
 fills it, and the unrolled forward reads it.
 
-Scanned layout: the forward runs one `nn.scan` per run of identical layers (same kind: dense MLP
-or MoE), so XLA compiles one layer per run and compile time stays flat in depth. Its tree holds
-one subtree per run, `layers_{start}_{stop}`, each leaf the layer leaves stacked on a leading
-axis (logical axis name "layers").
+Scanned layout: the forward runs one `nn.scan` per run of identical layers (same kind: token
+mixer and MLP, ModelConfig.layer_kind), so XLA compiles one layer per run and compile time stays
+flat in depth. Its tree holds one subtree per run, `layers_{start}_{stop}`, each leaf the layer
+leaves stacked on a leading axis (logical axis name "layers").
 
 Which one runs is `ModelConfig.layer_loop`; `auto` is per backend (config.AUTO): XLA:CPU copies
 each scanned iteration's whole weight slice (all experts of a MoE layer) before use, so CPU runs
@@ -41,7 +41,7 @@ def runs(cfg: ModelConfig) -> list[tuple[int, int]]:
     """[start, stop) of each maximal run of consecutive layers of the same kind."""
     out, start = [], 0
     for i in range(1, cfg.num_layers + 1):
-        if i == cfg.num_layers or cfg.is_moe_layer(i) != cfg.is_moe_layer(start):
+        if i == cfg.num_layers or cfg.layer_kind(i) != cfg.layer_kind(start):
             out.append((start, i))
             start = i
     return out

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import flax.linen as nn
@@ -31,61 +30,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from mbd_jax.config import ModelConfig
+from mbd_jax.errors import UserError
 from mbd_jax.model import layers, layout, moe, rope
 from mbd_jax.model.forward_meta import ForwardMeta
+from mbd_jax.model.gated_deltanet import GatedDeltaNet
 from mbd_jax.model.kv_cache import KVCache
+from mbd_jax.model.params import NORMAL, draw_normals, norm_weight, param
 from mbd_jax.parallel.expert import sharded_experts
-
-
-class _Normal(nn.LogicallyPartitioned):
-    """A parameter to be drawn from N(0, init_std^2): `model.init` leaves it at zero and
-    init_params draws every such parameter of one shape in one random call."""
-
-
-_NORMAL = object()  # the initializer of weight matrices: N(0, init_std^2), drawn by init_params
-
-
-def _normal(cfg: ModelConfig):
-    """The initializer of weight matrices (cfg.init_std is applied by init_params)."""
-    del cfg
-    return _NORMAL
-
-
-def _param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
-           init: Any) -> jax.Array:
-    """A parameter carrying logical axis names (mapped to mesh axes by the parallel rules)."""
-    cfg: ModelConfig = module.cfg
-    if init is _NORMAL:
-        boxed = lambda key, shape, dtype: _Normal(jnp.zeros(shape, dtype), axes)  # noqa: E731
-    else:
-        boxed = nn.with_logical_partitioning(init, axes)
-    return module.param(name, boxed, shape, jnp.dtype(cfg.param_dtype))
-
-
-def _draw_normals(boxed: Any, key: jax.Array, std: float, flat: bool) -> Any:
-    """`boxed` with every _Normal parameter drawn from N(0, std^2): one random draw of
-    [n, *shape] per distinct (shape, dtype), split across the n parameters of that shape.
-
-    XLA's CPU compiler spends 0.3-1 s per random call (10 s for the 3-layer tiny preset drawn per
-    parameter), so grouping cuts init's compile time about 3x (the draws no longer grow with
-    depth; the rest of init still does). `flat` draws each group as one 1-D array (cheaper still
-    to compile) and reshapes it: the values are the same (threefry counters run over the
-    flattened index), but a 1-D draw cannot be split the way the parameters are sharded, so a
-    multi-device mesh draws the [n, *shape] form."""
-    is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)  # noqa: E731
-    leaves, tree = jax.tree.flatten(boxed, is_leaf=is_box)
-    groups: dict[tuple, list[int]] = {}
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, _Normal):
-            groups.setdefault((leaf.value.shape, leaf.value.dtype), []).append(i)
-    for ((shape, dtype), index), k in zip(groups.items(),
-                                          jax.random.split(key, max(len(groups), 1))):
-        group_shape = (len(index), *shape)
-        draws = jax.random.normal(k, (math.prod(group_shape),) if flat else group_shape)
-        draws = (std * draws).reshape(group_shape).astype(dtype)
-        for n, i in enumerate(index):
-            leaves[i] = leaves[i].replace_boxed(draws[n])
-    return jax.tree.unflatten(tree, leaves)
 
 
 class Attention(nn.Module):
@@ -96,18 +47,16 @@ class Attention(nn.Module):
         cfg = self.cfg
         dt = jnp.dtype(cfg.compute_dtype)
         d, h, kh, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        wq = _param(self, "q_proj", (d, h, dh), ("embed", "heads", "head_dim"), _normal(cfg))
-        wk = _param(self, "k_proj", (d, kh, dh), ("embed", "kv_heads", "head_dim"), _normal(cfg))
-        wv = _param(self, "v_proj", (d, kh, dh), ("embed", "kv_heads", "head_dim"), _normal(cfg))
-        wo = _param(self, "o_proj", (h, dh, d), ("heads", "head_dim", "embed"), _normal(cfg))
+        wq = param(self, "q_proj", (d, h, dh), ("embed", "heads", "head_dim"), NORMAL)
+        wk = param(self, "k_proj", (d, kh, dh), ("embed", "kv_heads", "head_dim"), NORMAL)
+        wv = param(self, "v_proj", (d, kh, dh), ("embed", "kv_heads", "head_dim"), NORMAL)
+        wo = param(self, "o_proj", (h, dh, d), ("heads", "head_dim", "embed"), NORMAL)
         q = jnp.einsum("btd,dhk->bthk", x, wq.astype(dt))  # [B, T, H, Dh]
         k = jnp.einsum("btd,dhk->bthk", x, wk.astype(dt))  # [B, T, K, Dh]
         v = jnp.einsum("btd,dhk->bthk", x, wv.astype(dt))
         if cfg.qk_norm:
-            q = layers.rms_norm(q, _param(self, "q_norm", (dh,), ("head_dim",), nn.initializers.ones),
-                                cfg.rms_norm_eps)
-            k = layers.rms_norm(k, _param(self, "k_norm", (dh,), ("head_dim",), nn.initializers.ones),
-                                cfg.rms_norm_eps)
+            q = layers.rms_norm(q, norm_weight(self, "q_norm", dh, ("head_dim",)), cfg.rms_norm_eps)
+            k = layers.rms_norm(k, norm_weight(self, "k_norm", dh, ("head_dim",)), cfg.rms_norm_eps)
         inv_freq, scale = rope.frequencies(cfg)
         q = rope.apply_rope(q, meta.positions, inv_freq, scale)
         k = rope.apply_rope(k, meta.positions, inv_freq, scale)
@@ -125,6 +74,9 @@ class Attention(nn.Module):
                 visible = layers.block_causal_visible(meta.positions, jnp.arange(kv.capacity),
                                                       meta.visible_len, cfg.block_size)
                 out = layers.dense_attention(q, k_all.astype(dt), v_all.astype(dt), visible)
+        if cfg.attention_output_gate:  # each head's output scaled by its own sigmoid gate
+            wg = param(self, "gate_proj", (d, h, dh), ("embed", "heads", "head_dim"), NORMAL)
+            out = out * jax.nn.sigmoid(jnp.einsum("btd,dhk->bthk", x, wg.astype(dt)))
         return jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), kv
 
 
@@ -136,9 +88,9 @@ class DenseMLP(nn.Module):
     def __call__(self, x):
         cfg, dt = self.cfg, jnp.dtype(self.cfg.compute_dtype)
         d, f = cfg.hidden_size, self.width
-        wg = _param(self, "gate_proj", (d, f), ("embed", "mlp"), _normal(cfg))
-        wu = _param(self, "up_proj", (d, f), ("embed", "mlp"), _normal(cfg))
-        wd = _param(self, "down_proj", (f, d), ("mlp", "embed"), _normal(cfg))
+        wg = param(self, "gate_proj", (d, f), ("embed", "mlp"), NORMAL)
+        wu = param(self, "up_proj", (d, f), ("embed", "mlp"), NORMAL)
+        wd = param(self, "down_proj", (f, d), ("mlp", "embed"), NORMAL)
         return layers.swiglu(x, wg.astype(dt), wu.astype(dt), wd.astype(dt))
 
 
@@ -152,13 +104,13 @@ class MoE(nn.Module):
         d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         b, t, _ = x.shape
         tokens = x.reshape(b * t, d)  # [N, D]
-        w_router = _param(self, "router", (d, e), ("embed", "expert"), _normal(cfg))
+        w_router = param(self, "router", (d, e), ("embed", "expert"), NORMAL)
         logits = tokens.astype(jnp.float32) @ w_router.astype(jnp.float32)  # router in float32
         if cfg.router == "softmax_topk":
             ids, weights = moe.route_softmax_topk(logits, cfg.num_experts_per_tok,
                                                   cfg.norm_topk_prob, cfg.routed_scaling_factor)
         else:
-            bias = _param(self, "expert_bias", (e,), ("expert",), nn.initializers.zeros)
+            bias = param(self, "expert_bias", (e,), ("expert",), nn.initializers.zeros)
             ids, weights = moe.route_sigmoid_grouped(
                 logits, bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
                 cfg.norm_topk_prob, cfg.routed_scaling_factor)
@@ -166,15 +118,19 @@ class MoE(nn.Module):
             # caller makes "intermediates" mutable: training; decoding never does)
             self.sow("intermediates", "expert_load", moe.expert_load(ids, e),
                      init_fn=lambda: jnp.zeros((e,), jnp.float32), reduce_fn=jnp.add)
-        wg = _param(self, "experts_gate", (e, d, f), ("expert", "embed", "mlp"), _normal(cfg))
-        wu = _param(self, "experts_up", (e, d, f), ("expert", "embed", "mlp"), _normal(cfg))
-        wd = _param(self, "experts_down", (e, f, d), ("expert", "mlp", "embed"), _normal(cfg))
+        wg = param(self, "experts_gate", (e, d, f), ("expert", "embed", "mlp"), NORMAL)
+        wu = param(self, "experts_up", (e, d, f), ("expert", "embed", "mlp"), NORMAL)
+        wd = param(self, "experts_down", (e, f, d), ("expert", "mlp", "embed"), NORMAL)
         experts = moe.EXPERT_IMPLS[moe.resolve_impl(cfg.moe_impl)]
         if self.mesh is not None and self.mesh.size > 1:
             experts = sharded_experts(experts, self.mesh)
         out = experts(tokens, ids, weights, wg.astype(dt), wu.astype(dt), wd.astype(dt))
         if cfg.num_shared_experts > 0:
-            out = out + DenseMLP(cfg, cfg.num_shared_experts * f, name="shared")(tokens)
+            shared = DenseMLP(cfg, cfg.num_shared_experts * f, name="shared")(tokens)
+            if cfg.shared_expert_gate:  # [N, D] scaled by sigmoid(x . w) per token
+                w_gate = param(self, "shared_gate", (d,), ("embed",), NORMAL)
+                shared = shared * jax.nn.sigmoid(tokens @ w_gate.astype(dt))[:, None]
+            out = out + shared
         return out.reshape(b, t, d)
 
 
@@ -189,11 +145,13 @@ class DecoderLayer(nn.Module):
     def __call__(self, carry, layer, meta: ForwardMeta):
         cfg = self.cfg
         x, kv = carry  # x: [B, T, D]
-        norm = lambda name: _param(self, name, (cfg.hidden_size,), ("embed",),  # noqa: E731
-                                   nn.initializers.ones)
+        norm = lambda name: norm_weight(self, name, cfg.hidden_size, ("embed",))  # noqa: E731
         h = layers.rms_norm(x, norm("input_norm"), cfg.rms_norm_eps)
-        attn, kv = Attention(cfg, name="attn")(h, meta, kv, layer)
-        x = x + attn
+        if cfg.layer_type(self.index) == "linear_attention":
+            mixed, kv = GatedDeltaNet(cfg, name="linear_attn")(h, meta, kv, layer)
+        else:
+            mixed, kv = Attention(cfg, name="attn")(h, meta, kv, layer)
+        x = x + mixed
         h = layers.rms_norm(x, norm("post_attn_norm"), cfg.rms_norm_eps)
         if cfg.is_moe_layer(self.index):
             x = x + MoE(cfg, self.mesh, name="moe")(h)
@@ -213,8 +171,8 @@ class Transformer(nn.Module):
         if (cache is None) == meta.uses_cache:
             raise ValueError("a forward over a cache needs ForwardMeta.cached, one without "
                              "ForwardMeta.explicit")
-        embed = _param(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
-                       _normal(cfg))
+        embed = param(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
+                       NORMAL)
         carry = (jnp.take(embed, tokens, axis=0).astype(dt), cache)  # x: [B, T, D]
         if layout.scanned(cfg):
             for start, stop in layout.runs(cfg):
@@ -228,13 +186,13 @@ class Transformer(nn.Module):
             for i in range(cfg.num_layers):
                 carry, _ = DecoderLayer(cfg, i, self.mesh, name=f"layer_{i}")(carry, i, meta)
         x, kv = carry
-        x = layers.rms_norm(x, _param(self, "final_norm", (cfg.hidden_size,), ("embed",),
-                                      nn.initializers.ones), cfg.rms_norm_eps)
+        x = layers.rms_norm(x, norm_weight(self, "final_norm", cfg.hidden_size, ("embed",)),
+                            cfg.rms_norm_eps)
         if cfg.tie_word_embeddings:
             logits = jnp.einsum("btd,vd->btv", x, embed.astype(dt), preferred_element_type=jnp.float32)
         else:
-            head = _param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
-                          _normal(cfg))
+            head = param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
+                          NORMAL)
             logits = jnp.einsum("btd,dv->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
         return logits, kv
 
@@ -257,7 +215,7 @@ def init_params(cfg: ModelConfig, seed: int | None = None, mesh: Mesh | None = N
     def init(k):
         boxed = model.init(k, tokens, ForwardMeta.explicit(tokens, mask))["params"]
         flat = mesh is None or mesh.size == 1
-        canonical = nn.meta.unbox(_draw_normals(boxed, k, cfg.init_std, flat))
+        canonical = nn.meta.unbox(draw_normals(boxed, k, cfg.init_std, flat))
         return layout.to_runtime(canonical, cfg)
 
     return jax.jit(init, out_shardings=shardings)(key)
@@ -296,8 +254,14 @@ def _abstract_params(cfg: ModelConfig) -> tuple[Any, Any]:
 
 def cache_type(cfg: ModelConfig) -> type[KVCache]:
     """The cache this model's layers read and write (one type per layer kind; attention only
-    today). The engine, the offloader, the prefix store and the mesh rules use its interface."""
-    del cfg  # every layer is attention
+    today). The engine, the offloader, the prefix store and the mesh rules use its interface. A
+    hybrid model's linear-attention layers keep a recurrent state instead, which no cache type
+    holds yet: such a model is refused here, by the field that makes it one."""
+    if cfg.sequence_module is not None:
+        raise UserError(f"model {cfg.name}: field 'sequence_module' ({cfg.sequence_module.type}) "
+                        "makes it a hybrid model, and decoding a hybrid over a cache is not built "
+                        "yet (issue 17); its full-sequence forward runs (Transformer without a "
+                        "cache)")
     return KVCache
 
 

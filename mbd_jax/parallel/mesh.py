@@ -39,6 +39,7 @@ RULES: dict[str, str | None] = {
     "layers": None,  # the stacked axis of scanned layers and of the KV pool
     "pages": None,  # the KV pool's pages: any row's, so every data shard holds the pool
     "page": None,
+    "conv": None,  # a linear-attention layer's convolution taps
 }
 
 

@@ -1,0 +1,89 @@
+"""The linear-attention layer of a hybrid model: Gated DeltaNet (the Qwen3-Next / Qwen3.5 layer)
+as a Flax module over model/delta_rule.py's pure functions.
+
+    x [B, T, D] -> q, k [B, T, Hk, Dk], v, z [B, T, Hv, Dv], b, a [B, T, Hv]   projections
+    q, k, v     -> causal depthwise conv (width W, carried input tail), SiLU
+    g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)                 decay, write strength
+    o = gated delta rule under the block mode (cfg.sequence_module.block_mode)
+    out = out_proj(gated_rms_norm(o, z))                                       [B, T, D]
+
+Without a cache the layer reads its T tokens as one sequence from position 0, in blocks of
+cfg.block_size (the full-sequence reference: the block-causal rule's view of a whole stream).
+Decoding over a cache keeps the state and the conv tail at committed block boundaries
+(docs/architecture.md, "Block diffusion on a recurrent state"); that path is not built yet, and
+model/transformer.cache_type refuses a hybrid model before any forward reaches it.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from mbd_jax.config import ModelConfig
+from mbd_jax.model import delta_rule
+from mbd_jax.model.forward_meta import ForwardMeta
+from mbd_jax.model.params import NORMAL, param
+
+
+def _pad_blocks(block: int, q, k, v, g, beta):
+    """Pads the token axis to whole blocks with tokens that neither decay nor write the state
+    (g = 0, beta = 0, k = 0); the caller drops their outputs."""
+    pad = -q.shape[1] % block
+    if not pad:
+        return q, k, v, g, beta
+    width = lambda x: [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)  # noqa: E731
+    return tuple(jnp.pad(x, width(x)) for x in (q, k, v, g, beta))
+
+
+class GatedDeltaNet(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, meta: ForwardMeta, cache, layer):
+        """x: [B, T, D] (normed). Returns (out [B, T, D], the cache unchanged)."""
+        del layer  # the state cache (issue 17) will be indexed by it
+        if cache is not None:
+            raise NotImplementedError("a linear-attention layer does not decode over a cache yet")
+        cfg, sm = self.cfg, self.cfg.sequence_module
+        dt = jnp.dtype(cfg.compute_dtype)
+        d, hk, hv, dk, dv = (cfg.hidden_size, sm.num_key_heads, sm.num_value_heads,
+                             sm.key_head_dim, sm.value_head_dim)
+        b, t, _ = x.shape
+
+        def proj(name, heads, dim):  # x @ W: [B, T, heads, dim]
+            w = param(self, name, (d, heads, dim), ("embed", "heads", "head_dim"), NORMAL)
+            return jnp.einsum("btd,dhk->bthk", x, w.astype(dt))
+
+        q, k, v, z = proj("q_proj", hk, dk), proj("k_proj", hk, dk), proj("v_proj", hv, dv), \
+            proj("z_proj", hv, dv)
+        w_b = param(self, "b_proj", (d, hv), ("embed", "heads"), NORMAL)
+        w_a = param(self, "a_proj", (d, hv), ("embed", "heads"), NORMAL)
+        beta = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", x, w_b.astype(dt)).astype(jnp.float32))
+        a = jnp.einsum("btd,dh->bth", x, w_a.astype(dt)).astype(jnp.float32)
+        a_log = param(self, "A_log", (hv,), ("heads",), nn.initializers.zeros)
+        dt_bias = param(self, "dt_bias", (hv,), ("heads",), nn.initializers.ones)
+        g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a + dt_bias.astype(jnp.float32))
+
+        # The short causal conv over the q, k, v channels together (one carried tail per row).
+        conv = [param(self, f"conv_{s}", (sm.conv_kernel, heads, dim), ("conv", "heads", "head_dim"),
+                      NORMAL) for s, heads, dim in (("q", hk, dk), ("k", hk, dk), ("v", hv, dv))]
+        channels = jnp.concatenate([q.reshape(b, t, -1), k.reshape(b, t, -1), v.reshape(b, t, -1)],
+                                   axis=-1)  # [B, T, C]
+        weight = jnp.concatenate([w.reshape(sm.conv_kernel, -1) for w in conv], axis=-1).T
+        tail = jnp.zeros((b, sm.conv_kernel - 1, channels.shape[-1]), dt)  # a sequence's start
+        mixed, _ = delta_rule.causal_conv1d(channels, weight, tail)
+        q, k, v = jnp.split(mixed, [hk * dk, 2 * hk * dk], axis=-1)
+        q, k, v = q.reshape(b, t, hk, dk), k.reshape(b, t, hk, dk), v.reshape(b, t, hv, dv)
+
+        state = jnp.zeros((b, hv, dk, dv), jnp.float32)
+        if sm.block_mode == "causal":  # the same outputs at any chunk size: the configured one
+            o, _ = delta_rule.chunked(q, k, v, g, beta, state, sm.chunk_size)
+        else:
+            o, _ = delta_rule.block_outputs(*_pad_blocks(cfg.block_size, q, k, v, g, beta), state,
+                                            cfg.block_size, sm.block_mode)
+            o = o[:, :t]
+        norm = param(self, "norm", (dv,), ("head_dim",), nn.initializers.ones)
+        o = delta_rule.gated_rms_norm(o.astype(dt), z, norm, cfg.rms_norm_eps)  # [B, T, Hv, Dv]
+        w_out = param(self, "out_proj", (hv, dv, d), ("heads", "head_dim", "embed"), NORMAL)
+        return jnp.einsum("bthk,hkd->btd", o, w_out.astype(dt)), cache

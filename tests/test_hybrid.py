@@ -1,0 +1,150 @@
+"""The Gated DeltaNet hybrid family (issue 17): Qwen3-Next and Qwen3.5-MoE checkpoints built with
+transformers, converted, and run by the full-sequence forward; the sequence-module config."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from mbd_jax.checkpoint import load_model
+from mbd_jax.config import ConfigError, SequenceModule, config_dict, from_dict, load_model_config
+from mbd_jax.convert import convert
+from mbd_jax.errors import UserError
+from mbd_jax.model.forward_meta import ForwardMeta
+from mbd_jax.model.transformer import Transformer, block_causal_mask, cache_type
+from tests.test_convert import _randomise
+
+MASK_ID, EOS_ID = 3, 1
+SHAPE = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.25,
+             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+             linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=8,
+             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+             intermediate_size=64, max_position_embeddings=256, eos_token_id=EOS_ID, pad_token_id=0,
+             tie_word_embeddings=False, rms_norm_eps=1e-6)
+
+
+def hf_hybrid(family: str, seed: int = 0):
+    """A tiny random Qwen3-Next (projections grouped per key head) or Qwen3.5-MoE text model
+    (separate projections); layers 0-2 linear attention, layer 3 gated attention."""
+    if family == "qwen3_next":
+        from transformers import Qwen3NextConfig as Config, Qwen3NextForCausalLM as Model
+    else:
+        from transformers import Qwen3_5MoeForCausalLM as Model, Qwen3_5MoeTextConfig as Config
+    model = Model(Config(**SHAPE, attn_implementation="eager"))
+    assert model.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    _randomise(model, seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):  # as checkpoints keep it: log of a decay rate in (0.01, 16)
+                p.copy_(torch.log(torch.linspace(0.5, 4.0, p.numel())))
+            if name == "lm_head.weight":  # logits of a few units: float32 rounding (~1e-5
+                p.mul_(0.25)  # relative) stays under the 1e-4 the comparison allows
+    return model.float().eval()
+
+
+MODES = {"qwen3_next": "causal", "qwen3_5_moe_text": "bidirectional"}  # each written by convert
+
+
+@pytest.fixture(scope="module", params=sorted(MODES))
+def converted(request, tmp_path_factory):
+    """(transformers model, converted model directory) at block size 1, in the family's mode."""
+    hf = hf_hybrid(request.param)
+    src = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(src)
+    dst = tmp_path_factory.mktemp(f"{request.param}-converted")
+    convert(src, dst, dtype="float32", mask_token_id=MASK_ID, block_size=1,
+            block_mode=MODES[request.param], progress=False)
+    return hf, dst
+
+
+def in_mode(cfg, mode: str, block: int):
+    return dataclasses.replace(cfg, block_size=block, sequence_module=dataclasses.replace(
+        cfg.sequence_module, block_mode=mode, chunk_size=block * max(1, 8 // block)))
+
+
+def logits_of(cfg, params, tokens: np.ndarray) -> np.ndarray:
+    """The full-sequence forward under the block-causal rule (block size 1: causal)."""
+    pos = np.tile(np.arange(tokens.shape[1], dtype=np.int32), (tokens.shape[0], 1))
+    meta = ForwardMeta.explicit(pos, block_causal_mask(pos, cfg.block_size))
+    return np.asarray(jax.jit(lambda p: Transformer(cfg).apply({"params": p}, tokens, meta)[0])(
+        params))
+
+
+def test_converted_hybrid_logits_equal_transformers_at_block_size_1(converted):
+    """Both block modes are the autoregressive model at block size 1; the converted checkpoint's
+    logits equal transformers' own forward over 40 tokens (chunk boundaries, the conv tail, the
+    (1 + w) norms, the gated attention and the shared-expert gate all exercised). At block size 4
+    the modes read a block differently in the linear layers, so their logits differ."""
+    hf, d = converted
+    m = load_model(str(d))
+    assert m.cfg.sequence_module.block_mode == MODES[hf.config.model_type]  # what convert was told
+    assert m.cfg.sequence_module.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    tokens = np.random.default_rng(1).integers(4, SHAPE["vocab_size"], (2, 40)).astype(np.int32)
+    with torch.no_grad():
+        want = hf(torch.from_numpy(tokens).long()).logits.numpy()
+    assert np.abs(want).max() > 1.0  # far from uniform: a wrong weight would show
+    for block_mode in ("causal", "bidirectional"):
+        got = logits_of(in_mode(m.cfg, block_mode, 1), m.params, tokens)
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4, err_msg=block_mode)
+    causal, bidirectional = (logits_of(in_mode(m.cfg, b, 4), m.params, tokens[:1, :16])
+                             for b in ("causal", "bidirectional"))
+    assert np.abs(causal - bidirectional).max() > 1e-3
+
+
+def test_a_hybrid_is_refused_for_decoding_and_training_by_the_field_that_makes_it_one(converted):
+    """What is not built yet is refused by name before anything runs: the engine's cache, the
+    trainer's streams (both would read the linear layers wrong, not fail)."""
+    from mbd_jax.train.config import TrainConfig
+    from mbd_jax.train.trainer import Trainer
+
+    _, d = converted
+    m = load_model(str(d))
+    with pytest.raises(UserError, match="field 'sequence_module'.*not built yet"):
+        cache_type(m.cfg)
+    with pytest.raises(UserError, match="field 'sequence_module'.*not built yet"):
+        Trainer(TrainConfig(name="t", model=str(d)), m.cfg, m.params, None)
+
+
+def test_sequence_module_fields_are_checked_at_load(converted, tmp_path):
+    """A missing or wrong sequence-module field is refused by name; the written config reads
+    back equal."""
+    _, model_dir = converted
+    cfg = load_model(str(model_dir)).cfg
+    d = config_dict(cfg)
+    assert from_dict(type(cfg), d, "roundtrip") == cfg
+    for edit, needle in [
+        (lambda s: s.pop("block_mode"), "missing required field 'block_mode'"),
+        (lambda s: s.__setitem__("block_mode", "sideways"), "field 'block_mode' must be one of"),
+        (lambda s: s.__setitem__("layer_types", ["linear_attention"] * 3), "lists 3 layers"),
+        (lambda s: s.__setitem__("num_value_heads", 3), "multiple of 'num_key_heads'"),
+        (lambda s: s.__setitem__("chunk", 64), "unknown field"),
+    ]:
+        bad = config_dict(cfg)
+        edit(bad["sequence_module"])
+        path = tmp_path / "config.yaml"
+        path.write_text(yaml.safe_dump(bad))
+        with pytest.raises(ConfigError, match=needle):
+            load_model_config(path)
+    with pytest.raises(ConfigError, match="sequence_module: missing required field 'type'"):
+        from_dict(SequenceModule, {k: v for k, v in d["sequence_module"].items() if k != "type"},
+                  "sequence_module")
+
+
+def test_conversion_needs_a_block_mode_for_a_hybrid(tmp_path):
+    hf = hf_hybrid("qwen3_next")
+    hf.save_pretrained(tmp_path / "src")
+    with pytest.raises(UserError, match="no block_mode.*--block-mode"):
+        convert(tmp_path / "src", tmp_path / "dst", dtype="float32", mask_token_id=MASK_ID,
+                block_size=1, progress=False)
+
+
+def test_param_count_matches_transformers(converted):
+    hf, d = converted
+    cfg = load_model(str(d)).cfg
+    assert cfg.num_params() == sum(p.numel() for p in hf.parameters())
