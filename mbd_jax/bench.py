@@ -36,11 +36,17 @@ def matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
 
 def step_flops(cfg: ModelConfig, batch: int, window: int, context: float) -> float:
     """Useful model FLOPs of one decode forward: 2 x active (non-embedding) parameters per token,
-    plus attention scores and values over `context` visible keys (routed experts only)."""
+    plus, per attention layer, scores and values over `context` visible keys, and per
+    linear-attention layer the delta rule's state work (decay, read, correction, write: about
+    6 x Hv x Dk x Dv per token, whatever the context) (routed experts only)."""
     per_token = 2 * (cfg.active_params_per_token() - cfg.vocab_size * cfg.hidden_size)
     if cfg.tie_word_embeddings:  # the head reuses the embedding table
         per_token += 2 * cfg.vocab_size * cfg.hidden_size
-    attn = 4 * context * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    linear = sum(cfg.layer_type(i) == "linear_attention" for i in range(cfg.num_layers))
+    attn = 4 * context * cfg.num_heads * cfg.head_dim * (cfg.num_layers - linear)
+    if linear:
+        sm = cfg.sequence_module
+        attn += 6 * sm.num_value_heads * sm.key_head_dim * sm.value_head_dim * linear
     return batch * window * (per_token + attn)
 
 

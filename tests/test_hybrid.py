@@ -12,11 +12,14 @@ import torch
 import yaml
 
 from mbd_jax.checkpoint import load_model
-from mbd_jax.config import ConfigError, SequenceModule, config_dict, from_dict, load_model_config
+from mbd_jax.config import (ConfigError, DecodeConfig, SequenceModule, config_dict, from_dict,
+                            load_model_config)
 from mbd_jax.convert import convert
+from mbd_jax.engine import Engine
 from mbd_jax.errors import UserError
 from mbd_jax.model.forward_meta import ForwardMeta
-from mbd_jax.model.transformer import Transformer, block_causal_mask, cache_type
+from mbd_jax.model.transformer import Transformer, block_causal_mask
+from tests.conftest import tiny_cfg, tiny_params
 from tests.test_convert import _randomise
 
 MASK_ID, EOS_ID = 3, 1
@@ -97,18 +100,21 @@ def test_converted_hybrid_logits_equal_transformers_at_block_size_1(converted):
     assert np.abs(causal - bidirectional).max() > 1e-3
 
 
-def test_a_hybrid_is_refused_for_decoding_and_training_by_the_field_that_makes_it_one(converted):
-    """What is not built yet is refused by name before anything runs: the engine's cache, the
-    trainer's streams (both would read the linear layers wrong, not fail)."""
+def test_what_a_hybrid_cannot_do_yet_is_refused_by_the_field_that_makes_it_one(converted):
+    """Training (the trainer's [clean; noisy] streams) and the prefix cache (its entries hold no
+    recurrent state) are refused by name before anything runs: both would read the linear layers
+    wrong, not fail."""
+    from mbd_jax.cache.prefix_store import PrefixStore
     from mbd_jax.train.config import TrainConfig
     from mbd_jax.train.trainer import Trainer
 
     _, d = converted
     m = load_model(str(d))
     with pytest.raises(UserError, match="field 'sequence_module'.*not built yet"):
-        cache_type(m.cfg)
-    with pytest.raises(UserError, match="field 'sequence_module'.*not built yet"):
         Trainer(TrainConfig(name="t", model=str(d)), m.cfg, m.params, None)
+    with pytest.raises(UserError, match="recurrent states.*'sequence_module'.*cache.enabled"):
+        Engine(m.cfg, m.params, batch_size=1, prefill_chunk=8,
+               prefix_store=PrefixStore("m", m.cfg.block_size, ram_bytes=1 << 20))
 
 
 def test_sequence_module_fields_are_checked_at_load(converted, tmp_path):
@@ -148,3 +154,76 @@ def test_param_count_matches_transformers(converted):
     hf, d = converted
     cfg = load_model(str(d)).cfg
     assert cfg.num_params() == sum(p.numel() for p in hf.parameters())
+
+
+# ---------------------------------------------------------------- the state cache
+def hybrid_cfg(mode: str, loop: str = "unrolled"):
+    """tiny-random as a hybrid: layer 0 (dense MLP) and 2 (MoE) linear attention, layer 1 gated
+    attention; block 8, chunk 16."""
+    sm = SequenceModule(type="gated_deltanet", block_mode=mode,
+                        layer_types=("linear_attention", "full_attention", "linear_attention"),
+                        num_key_heads=2, num_value_heads=4, key_head_dim=16, value_head_dim=8,
+                        conv_kernel=4, chunk_size=16)
+    kw = dict(sequence_module=sm, attention_output_gate=True, norm_weight_offset=True,
+              shared_expert_gate=True, layer_loop=loop)
+    return tiny_cfg(**kw), tiny_params(**kw)
+
+
+@pytest.mark.parametrize("mode,loop", [("causal", "unrolled"), ("bidirectional", "unrolled"),
+                                       ("bidirectional", "scan")])
+def test_state_cache_equals_full_forward_and_noisy_blocks_never_enter_it(mode, loop):
+    """Prefill (mixed prompt lengths, chunks of 16 over 8-token blocks) then MultiBD windows of
+    two blocks, each forward committing only the first: the window's logits equal the
+    full-sequence forward's at every position, although its second block holds noise when it is
+    read (the next window reads it clean: the committed state never absorbed the noise)."""
+    cfg, params = hybrid_cfg(mode, loop)
+    blk = cfg.block_size
+    apply = jax.jit(Transformer(cfg).apply)
+    prompt_lens = [3, 8, 21, 40]
+    b, n_windows = len(prompt_lens), 3
+    total = max(prompt_lens) // blk * blk + (n_windows + 1) * blk
+    rng = np.random.default_rng(0)
+    seqs = rng.integers(5, cfg.vocab_size, (b, total)).astype(np.int32)
+    pos = np.broadcast_to(np.arange(total, dtype=np.int32), (b, total))
+    full, _ = apply({"params": params}, seqs, ForwardMeta.explicit(pos, block_causal_mask(pos, blk)))
+
+    engine = Engine(cfg, params, batch_size=b, prefill_chunk=16, row_prefill_min=8)
+    engine.admit(engine.empty_state(), {i: (seqs[i, :n], DecodeConfig())
+                                        for i, n in enumerate(prompt_lens)})
+    kv = engine.kv
+    offset = np.array([n // blk * blk for n in prompt_lens], np.int32)
+    worst = 0.0
+    for _ in range(n_windows):
+        clean = np.stack([seqs[i, o:o + 2 * blk] for i, o in enumerate(offset)])
+        noisy = clean.copy()
+        noisy[:, blk:] = rng.integers(5, cfg.vocab_size, (b, blk))  # the second block: noise
+        positions = offset[:, None] + np.arange(2 * blk, dtype=np.int32)
+        meta = ForwardMeta.cached(positions, offset, offset + 2 * blk,
+                                  commit=np.full(b, blk, np.int32))
+        _, kv_noisy = apply({"params": params}, noisy, meta, kv)  # commits block 1 only
+        logits, _ = apply({"params": params}, clean, meta, kv)
+        for i, o in enumerate(offset):
+            worst = max(worst, float(np.abs(np.asarray(logits[i]) - full[i, o:o + 2 * blk]).max()))
+        kv, offset = kv_noisy, offset + blk
+    assert worst <= 1e-5, f"max abs logit diff {worst}"
+
+
+def test_hybrid_engine_generates_batch_invariantly_with_reused_rows():
+    """Greedy SingleBD and MultiBD on the hybrid: five prompts on two rows (rows reused: a reused
+    row starts from a zero state) give the tokens each prompt gives alone on a fresh engine, and
+    a warmed-up engine compiles nothing for a second batch."""
+    from mbd_jax import compile_stats
+
+    cfg, params = hybrid_cfg("bidirectional")
+    prompts = [[7, 8, 9], list(range(20, 41)), [5] * 12, list(range(100, 109)), [9, 3]]
+    for n_buf in (1, 2):
+        decode = DecodeConfig(buffer_size=n_buf, max_new_tokens=16)
+        engine = Engine(cfg, params, batch_size=2, buffer_size=n_buf, prefill_chunk=16)
+        together = [r.token_ids for r in engine.generate(prompts, decode)]
+        c0 = compile_stats.compiles()
+        again = [r.token_ids for r in engine.generate(prompts[::-1], decode)][::-1]
+        assert compile_stats.compiles() == c0 and again == together, n_buf
+        alone = [Engine(cfg, params, batch_size=1, buffer_size=n_buf, prefill_chunk=16)
+                 .generate([p], decode)[0].token_ids for p in (prompts[2], prompts[4])]
+        assert [together[2], together[4]] == alone, n_buf
+        assert any(len(t) > 4 for t in together)

@@ -33,7 +33,9 @@ def prefill(params: Any, kv: Cache, tokens: jax.Array, start: jax.Array, full_le
     t = tokens.shape[1]
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     visible = jnp.where(write, jnp.minimum(full_len, start + t), 1).astype(jnp.int32)
-    meta = ForwardMeta.cached(positions, start.astype(jnp.int32), visible, write=write, rows=rows)
+    # the chunk's full prompt blocks are final: committed (its padding past them is not)
+    meta = ForwardMeta.cached(positions, start.astype(jnp.int32), visible, write=write, rows=rows,
+                              commit=jnp.maximum(visible - start, 0).astype(jnp.int32))
     _, kv = apply_fn({"params": params}, tokens, meta, kv)
     return kv
 
@@ -43,11 +45,14 @@ def decode_meta(state: DecodeState, w: int, blk: int,
     """The forward over every row's W-token window: it sits right after the row's committed
     prefix and stores there unless the row is done. Done rows (finished, free) read one position:
     the attention loop runs to the longest visible row, so a finished long request would
-    otherwise keep every other row's steps that long until its row is reused. `rows`: the cache
-    row of each state row (None: state row b is cache row b)."""
+    otherwise keep every other row's steps that long until its row is reused. The TO_CACHE
+    blocks at the window's start are committed by this forward (block_buffer.advance moves
+    cached_len past them after it). `rows`: the cache row of each state row (None: state row b
+    is cache row b)."""
     positions = state.cached_len[:, None] + jnp.arange(w, dtype=jnp.int32)  # [B, W]
     visible = jnp.where(state.done, 1, jnp.maximum(state.cached_len + state.n_valid * blk, 1))
-    return ForwardMeta.cached(positions, state.cached_len, visible, write=~state.done, rows=rows)
+    return ForwardMeta.cached(positions, state.cached_len, visible, write=~state.done, rows=rows,
+                              commit=jnp.where(state.done, 0, state.n_to_cache * blk))
 
 
 def decode_step(params: Any, state: DecodeState, kv: Cache, rows: jax.Array | None = None, *,

@@ -105,7 +105,10 @@ class Engine:
         if n_pages < 1:
             raise UserError(f"kv_pool_tokens must be >= 1, got {kv_pool_tokens}")
         self.pages = PagePool(n_pages, page, batch_size, per_row)
-        self.share_prefixes = share_prefixes and page % cfg.block_size == 0
+        # A hybrid's rows also need the recurrent state at the shared boundary, which pages do
+        # not hold: its prompts prefill from their start.
+        self.share_prefixes = (share_prefixes and page % cfg.block_size == 0
+                               and cfg.sequence_module is None)
         kv_sharding = meshlib.cache_shardings(cfg, self.mesh, batch_size, self.capacity, n_pages)
         self._table_sharding = kv_sharding.table
         self._allocate_kv = jax.jit(

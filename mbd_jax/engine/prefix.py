@@ -38,6 +38,10 @@ class PrefixGlue:
         if store.block_size != cfg.block_size:
             raise UserError(f"prefix store block size {store.block_size} != the model's "
                             f"{cfg.block_size}")
+        if cfg.sequence_module is not None:
+            raise UserError(f"model {cfg.name}: the prefix cache does not hold a hybrid's "
+                            "recurrent states yet (field 'sequence_module'); disable "
+                            "cache.enabled for it")
         if jax.process_count() > 1:
             raise UserError("the prefix cache runs on one process; disable cache.enabled for "
                             "a multi-process launch")

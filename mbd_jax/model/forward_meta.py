@@ -11,8 +11,11 @@ Two kinds of forward read it:
 - without a cache (training, the full-sequence reference): the T tokens attend to each other
   under an explicit `mask`.
 
-A layer kind takes what it needs from it (attention: all of it); new layer kinds (a recurrent
-state beside the KV) read the same struct.
+A layer kind takes what it needs from it. Attention reads all of it but `commit`; a recurrent
+layer (model/gated_deltanet.py) keeps, per cache row, its state after the row's committed
+positions: `commit` says how many of this forward's T tokens (whole blocks, from the first) are
+clean and committed by it, so its state moves past them and past nothing else (a KV write can
+be overwritten at the same position later; a state that absorbed a noisy token cannot).
 """
 
 from __future__ import annotations
@@ -31,16 +34,22 @@ class ForwardMeta:
     # others' outputs are never read (attention may bound its work by the writing rows)
     rows: jax.Array | None = None  # [B] int32: the cache row of each input row (None: row b)
     mask: jax.Array | None = None  # [B, T, T] bool: explicit attention (no cache)
+    commit: jax.Array | None = None  # [B] int32: leading tokens of the T (whole blocks) that
+    # this forward commits (recurrent layers advance their state past them)
 
     @classmethod
     def cached(cls, positions: jax.Array, write_offset: jax.Array, visible_len: jax.Array,
-               write: jax.Array | None = None, rows: jax.Array | None = None) -> ForwardMeta:
+               write: jax.Array | None = None, rows: jax.Array | None = None,
+               commit: jax.Array | None = None) -> ForwardMeta:
         """A forward over a cache (every row stores its entries unless `write` says otherwise;
-        input row b is cache row b unless `rows` says which)."""
+        input row b is cache row b unless `rows` says which; every token is committed unless
+        `commit` says how many)."""
         if write is None:
             write = jnp.ones(positions.shape[:1], bool)
+        if commit is None:
+            commit = jnp.full(positions.shape[:1], positions.shape[1], jnp.int32)
         return cls(positions=positions, write_offset=write_offset, visible_len=visible_len,
-                   write=write, rows=rows)
+                   write=write, rows=rows, commit=commit)
 
     @classmethod
     def explicit(cls, positions: jax.Array, mask: jax.Array) -> ForwardMeta:

@@ -9,9 +9,12 @@ as a Flax module over model/delta_rule.py's pure functions.
 
 Without a cache the layer reads its T tokens as one sequence from position 0, in blocks of
 cfg.block_size (the full-sequence reference: the block-causal rule's view of a whole stream).
-Decoding over a cache keeps the state and the conv tail at committed block boundaries
-(docs/architecture.md, "Block diffusion on a recurrent state"); that path is not built yet, and
-model/transformer.cache_type refuses a hybrid model before any forward reaches it.
+Over a cache (prefill chunks, decode windows) each row starts from its state and conv tail after
+its committed positions (zeros when it has none) and reads the T tokens, whole blocks from
+there, under the same rule; the state after the tokens `meta.commit` says are committed (and
+the tail before them) is written back for the rows `meta.write` selects. Noisy tokens past them
+shape this forward's outputs and nothing else (docs/architecture.md, "Block diffusion on a
+recurrent state").
 """
 
 from __future__ import annotations
@@ -41,10 +44,8 @@ class GatedDeltaNet(nn.Module):
 
     @nn.compact
     def __call__(self, x, meta: ForwardMeta, cache, layer):
-        """x: [B, T, D] (normed). Returns (out [B, T, D], the cache unchanged)."""
-        del layer  # the state cache (issue 17) will be indexed by it
-        if cache is not None:
-            raise NotImplementedError("a linear-attention layer does not decode over a cache yet")
+        """x: [B, T, D] (normed); `layer` indexes this layer's state in the cache. Returns
+        (out [B, T, D], the cache with the committed rows' states advanced)."""
         cfg, sm = self.cfg, self.cfg.sequence_module
         dt = jnp.dtype(cfg.compute_dtype)
         d, hk, hv, dk, dv = (cfg.hidden_size, sm.num_key_heads, sm.num_value_heads,
@@ -71,19 +72,39 @@ class GatedDeltaNet(nn.Module):
         channels = jnp.concatenate([q.reshape(b, t, -1), k.reshape(b, t, -1), v.reshape(b, t, -1)],
                                    axis=-1)  # [B, T, C]
         weight = jnp.concatenate([w.reshape(sm.conv_kernel, -1) for w in conv], axis=-1).T
-        tail = jnp.zeros((b, sm.conv_kernel - 1, channels.shape[-1]), dt)  # a sequence's start
+        state = jnp.zeros((b, hv, dk, dv), jnp.float32)  # a sequence's start
+        tail = jnp.zeros((b, sm.conv_kernel - 1, channels.shape[-1]), dt)
+        if cache is not None:  # each row's, after its committed positions (none: zeros)
+            rows = meta.rows if meta.rows is not None else jnp.arange(b)
+            cached_state, cached_tail = (a[rows] for a in cache.recurrent(layer))
+            fresh = (meta.write_offset == 0)[:, None, None]
+            state = jnp.where(fresh[..., None], state, cached_state)
+            tail = jnp.where(fresh, tail, cached_tail.astype(dt))
         mixed, _ = delta_rule.causal_conv1d(channels, weight, tail)
         q, k, v = jnp.split(mixed, [hk * dk, 2 * hk * dk], axis=-1)
         q, k, v = q.reshape(b, t, hk, dk), k.reshape(b, t, hk, dk), v.reshape(b, t, hv, dv)
 
-        state = jnp.zeros((b, hv, dk, dv), jnp.float32)
-        if sm.block_mode == "causal":  # the same outputs at any chunk size: the configured one
+        if cache is None and sm.block_mode == "causal":  # any chunk gives these outputs
             o, _ = delta_rule.chunked(q, k, v, g, beta, state, sm.chunk_size)
-        else:
-            o, _ = delta_rule.block_outputs(*_pad_blocks(cfg.block_size, q, k, v, g, beta), state,
-                                            cfg.block_size, sm.block_mode)
+        else:  # the state after each block, for the commit
+            o, states = delta_rule.block_outputs(*_pad_blocks(cfg.block_size, q, k, v, g, beta),
+                                                 state, cfg.block_size, sm.block_mode)
             o = o[:, :t]
+        if cache is not None:
+            cache = self._commit(cache, layer, meta, rows, state, states, tail, channels)
         norm = param(self, "norm", (dv,), ("head_dim",), nn.initializers.ones)
         o = delta_rule.gated_rms_norm(o.astype(dt), z, norm, cfg.rms_norm_eps)  # [B, T, Hv, Dv]
         w_out = param(self, "out_proj", (hv, dv, d), ("heads", "head_dim", "embed"), NORMAL)
         return jnp.einsum("bthk,hkd->btd", o, w_out.astype(dt)), cache
+
+    def _commit(self, cache, layer, meta: ForwardMeta, rows, state, states, tail, channels):
+        """Writes each storing row's state after its committed blocks (its old one when it
+        commits none) and the conv inputs just before them."""
+        blk, width = self.cfg.block_size, tail.shape[1]
+        n = meta.commit // blk  # [B] committed blocks
+        after = jnp.take_along_axis(states, jnp.maximum(n - 1, 0)[:, None, None, None, None],
+                                    axis=1)[:, 0]
+        after = jnp.where((n > 0)[:, None, None, None], after, state)
+        ext = jnp.concatenate([tail, channels], axis=1)  # [B, W - 1 + T, C]
+        new_tail = jax.vmap(lambda e, c: jax.lax.dynamic_slice_in_dim(e, c, width))(ext, meta.commit)
+        return cache.write_recurrent(layer, rows, after, new_tail, keep=~meta.write | (n == 0))

@@ -33,6 +33,14 @@ The pool comes in one of two forms the model's layer loop picks:
 XLA:CPU updates a per-layer array in place but copied the stacked one for every layer of an
 unrolled forward (half the batch-16 decode speed, docs/performance.md), hence two forms. The pool
 is allocated once per engine and donated to every jitted call.
+
+A hybrid model's linear-attention layers (model/gated_deltanet.py) keep, per cache row, their
+recurrent state after the row's committed positions beside the pool: `state` [B, Hv, Dk, Dv]
+float32 and the convolution's input `tail` [B, W - 1, C] per layer, in the same two forms
+(`recurrent(layer)`, `write_recurrent(...)`). A row whose committed length is 0 reads zeros, so a
+reused row never sees its last request's state. Not yet: the state in the prefix store's entries
+(the engine runs hybrids without the store and without shared prefix pages), and pools sized per
+layer kind (every layer has pages and a state today).
 """
 
 from __future__ import annotations
@@ -49,6 +57,8 @@ from mbd_jax.model.forward_meta import ForwardMeta
 
 _AXES = ("layers", "pages", "page", "kv_heads", "head_dim")  # of a stacked k or v
 _TABLE_AXES = (None, None)  # the page table is replicated: every device reads every row's pages
+_STATE_AXES = ("layers", None, "heads", "head_dim", None)  # a stacked recurrent state
+_TAIL_AXES = ("layers", None, None, None)  # conv tail: q, k, v channels side by side
 
 
 @flax.struct.dataclass
@@ -56,6 +66,8 @@ class KVCache:
     k: jax.Array | tuple[jax.Array, ...]  # [L, P, page, K, Dh] or L x [P, page, K, Dh]
     v: jax.Array | tuple[jax.Array, ...]
     table: jax.Array  # [B, capacity / page] int32: the pool page of each row's logical page
+    state: jax.Array | tuple[jax.Array, ...] | None = None  # [L, B, Hv, Dk, Dv] or L x [B, ...]
+    tail: jax.Array | tuple[jax.Array, ...] | None = None  # [L, B, W - 1, C] or L x [B, ...]
 
     # ------------------------------------------------------------ outside the model
     @staticmethod
@@ -82,11 +94,21 @@ class KVCache:
         identity = jnp.arange(batch * per_row, dtype=jnp.int32).reshape(batch, per_row)
         table = identity if pages >= batch * per_row else jnp.full((batch, per_row), pages, jnp.int32)
         shape = (pages, page, cfg.num_kv_heads, cfg.head_dim)
+        recurrent = {}
+        sm = cfg.sequence_module
+        if sm is not None:  # the linear layers' states: float32 (a sum over the whole context)
+            channels = 2 * sm.num_key_heads * sm.key_head_dim + sm.num_value_heads * sm.value_head_dim
+            recurrent = {"state": ((batch, sm.num_value_heads, sm.key_head_dim, sm.value_head_dim),
+                                   jnp.float32),
+                         "tail": ((batch, sm.conv_kernel - 1, channels), dtype)}
         if layout.scanned(cfg):
             return cls(k=jnp.zeros((cfg.num_layers,) + shape, dtype),
-                       v=jnp.zeros((cfg.num_layers,) + shape, dtype), table=table)
-        zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # noqa: E731
-        return cls(k=zeros(), v=zeros(), table=table)
+                       v=jnp.zeros((cfg.num_layers,) + shape, dtype), table=table,
+                       **{name: jnp.zeros((cfg.num_layers,) + shp, dt)
+                          for name, (shp, dt) in recurrent.items()})
+        zeros = lambda shp, dt: tuple(jnp.zeros(shp, dt) for _ in range(cfg.num_layers))  # noqa: E731
+        return cls(k=zeros(shape, dtype), v=zeros(shape, dtype), table=table,
+                   **{name: zeros(shp, dt) for name, (shp, dt) in recurrent.items()})
 
     @classmethod
     def from_rows(cls, k, v, page: int) -> KVCache:
@@ -108,10 +130,14 @@ class KVCache:
         """The cache's tree with each leaf's logical axis names (parallel/mesh.py's rules)."""
         from mbd_jax.model import layout
 
+        recurrent = {}
+        if cfg.sequence_module is not None:  # rows on every data shard, like the pool's pages
+            recurrent = {"state": _STATE_AXES, "tail": _TAIL_AXES}
         if layout.scanned(cfg):
-            return cls(k=_AXES, v=_AXES, table=_TABLE_AXES)
+            return cls(k=_AXES, v=_AXES, table=_TABLE_AXES, **recurrent)
         return cls(k=(_AXES[1:],) * cfg.num_layers, v=(_AXES[1:],) * cfg.num_layers,
-                   table=_TABLE_AXES)
+                   table=_TABLE_AXES,
+                   **{name: (axes[1:],) * cfg.num_layers for name, axes in recurrent.items()})
 
     @classmethod
     def capacity_for(cls, cfg: ModelConfig, max_write: int) -> int:
@@ -217,6 +243,33 @@ class KVCache:
         return k, v
 
     # ------------------------------------------------------------ inside the model
+    def recurrent(self, layer) -> tuple[jax.Array, jax.Array]:
+        """One linear-attention layer's (state [B, Hv, Dk, Dv], conv tail [B, W - 1, C]) of
+        every cache row (`layer` may be traced when stacked)."""
+        if self.state is None:
+            raise ValueError("this cache holds no recurrent state (an attention-only model's)")
+        if self.stacked:
+            take = lambda buf: jax.lax.dynamic_index_in_dim(buf, layer, keepdims=False)  # noqa: E731
+            return take(self.state), take(self.tail)
+        return self.state[layer], self.tail[layer]
+
+    def write_recurrent(self, layer, rows: jax.Array, state: jax.Array, tail: jax.Array,
+                        keep: jax.Array) -> KVCache:
+        """Cache rows `rows` ([R]) of `layer` take state [R, Hv, Dk, Dv] and tail [R, W - 1, C]
+        where `keep` ([R] bool) is False; where True they keep theirs."""
+        index = jnp.where(keep, self._rows(), rows)  # out of range: dropped
+        if self.stacked:
+            return self.replace(
+                state=self.state.at[layer, index].set(state.astype(self.state.dtype), mode="drop"),
+                tail=self.tail.at[layer, index].set(tail.astype(self.tail.dtype), mode="drop"))
+        st, tl = list(self.state), list(self.tail)
+        st[layer] = st[layer].at[index].set(state.astype(st[layer].dtype), mode="drop")
+        tl[layer] = tl[layer].at[index].set(tail.astype(tl[layer].dtype), mode="drop")
+        return self.replace(state=tuple(st), tail=tuple(tl))
+
+    def _rows(self) -> int:
+        return self.table.shape[0]
+
     def layer(self, layer) -> tuple[jax.Array, jax.Array]:
         """One layer's k and v pools, [P, page, K, Dh] each (`layer` may be traced when
         stacked)."""

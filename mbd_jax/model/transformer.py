@@ -30,7 +30,6 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from mbd_jax.config import ModelConfig
-from mbd_jax.errors import UserError
 from mbd_jax.model import layers, layout, moe, rope
 from mbd_jax.model.forward_meta import ForwardMeta
 from mbd_jax.model.gated_deltanet import GatedDeltaNet
@@ -253,15 +252,10 @@ def _abstract_params(cfg: ModelConfig) -> tuple[Any, Any]:
 
 
 def cache_type(cfg: ModelConfig) -> type[KVCache]:
-    """The cache this model's layers read and write (one type per layer kind; attention only
-    today). The engine, the offloader, the prefix store and the mesh rules use its interface. A
-    hybrid model's linear-attention layers keep a recurrent state instead, which no cache type
-    holds yet: such a model is refused here, by the field that makes it one."""
-    if cfg.sequence_module is not None:
-        raise UserError(f"model {cfg.name}: field 'sequence_module' ({cfg.sequence_module.type}) "
-                        "makes it a hybrid model, and decoding a hybrid over a cache is not built "
-                        "yet (issue 17); its full-sequence forward runs (Transformer without a "
-                        "cache)")
+    """The cache this model's layers read and write: the paged KV pool, with the linear layers'
+    recurrent states beside it for a hybrid. The engine, the offloader, the prefix store and the
+    mesh rules use its interface."""
+    del cfg  # one type holds every layer kind's entries
     return KVCache
 
 
