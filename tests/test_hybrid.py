@@ -18,7 +18,7 @@ from mbd_jax.convert import convert
 from mbd_jax.engine import Engine
 from mbd_jax.errors import UserError
 from mbd_jax.model.forward_meta import ForwardMeta
-from mbd_jax.model.transformer import Transformer, block_causal_mask
+from mbd_jax.model.transformer import Transformer, block_causal_mask, init_params
 from tests.conftest import tiny_cfg, tiny_params
 from tests.test_convert import _randomise
 
@@ -227,3 +227,22 @@ def test_hybrid_engine_generates_batch_invariantly_with_reused_rows():
                  .generate([p], decode)[0].token_ids for p in (prompts[2], prompts[4])]
         assert [together[2], together[4]] == alone, n_buf
         assert any(len(t) > 4 for t in together)
+
+
+@pytest.mark.parametrize("loop", ["unrolled", "scan"])
+def test_each_layer_kind_holds_only_its_own_cache(loop):
+    """KV pages for the attention layer only, a state and conv tail for the two linear layers
+    only (no memory for the other kind's entries), in both pool forms; a model without an
+    attention layer has an empty pool and still decodes."""
+    cfg, params = hybrid_cfg("causal", loop)
+    kv = Engine(cfg, params, batch_size=2, prefill_chunk=16).kv
+    count = (lambda a: a.shape[0]) if loop == "scan" else len
+    assert (count(kv.k), count(kv.v), count(kv.state), count(kv.tail)) == (1, 1, 2, 2)
+    assert kv.kv_slots == (-1, 0, -1) and kv.state_slots == (0, -1, 1)
+    linear = dataclasses.replace(cfg, sequence_module=dataclasses.replace(
+        cfg.sequence_module, layer_types=("linear_attention",) * 3))
+    engine = Engine(linear, init_params(linear), batch_size=1, prefill_chunk=16)
+    assert engine.kv.nbytes() == 0 and count(engine.kv.state) == 3
+    out = engine.generate([[7, 8, 9, 10]], DecodeConfig(max_new_tokens=8))[0].token_ids
+    assert len(out) == 8
+

@@ -35,12 +35,14 @@ unrolled forward (half the batch-16 decode speed, docs/performance.md), hence tw
 is allocated once per engine and donated to every jitted call.
 
 A hybrid model's linear-attention layers (model/gated_deltanet.py) keep, per cache row, their
-recurrent state after the row's committed positions beside the pool: `state` [B, Hv, Dk, Dv]
-float32 and the convolution's input `tail` [B, W - 1, C] per layer, in the same two forms
-(`recurrent(layer)`, `write_recurrent(...)`). A row whose committed length is 0 reads zeros, so a
-reused row never sees its last request's state. Not yet: the state in the prefix store's entries
-(the engine runs hybrids without the store and without shared prefix pages), and pools sized per
-layer kind (every layer has pages and a state today).
+recurrent state after the row's committed positions instead: `state` [B, Hv, Dk, Dv] float32 and
+the convolution's input `tail` [B, W - 1, C] per layer, in the same two forms
+(`recurrent(layer)`, `write_recurrent(...)`). Each kind holds entries for its own layers only:
+`layer(i)` and `recurrent(i)` take the model's layer index and find its slot (`kv_slots`,
+`state_slots`: static, per layer; a traced index looks its slot up). A row whose committed length
+is 0 reads zeros, so a reused row never sees its last request's state. Not yet: the state in the
+prefix store's entries (the engine runs hybrids without the store and without shared prefix
+pages).
 """
 
 from __future__ import annotations
@@ -61,13 +63,28 @@ _STATE_AXES = ("layers", None, "heads", "head_dim", None)  # a stacked recurrent
 _TAIL_AXES = ("layers", None, None, None)  # conv tail: q, k, v channels side by side
 
 
+def layer_slots(cfg: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(KV slot, state slot) of every layer: its index among the layers of its kind (-1 in the
+    other kind's)."""
+    kv, state, n_kv, n_state = [], [], 0, 0
+    for i in range(cfg.num_layers):
+        linear = cfg.layer_type(i) == "linear_attention"
+        kv.append(-1 if linear else n_kv)
+        state.append(n_state if linear else -1)
+        n_kv, n_state = n_kv + (not linear), n_state + linear
+    return tuple(kv), tuple(state)
+
+
 @flax.struct.dataclass
 class KVCache:
-    k: jax.Array | tuple[jax.Array, ...]  # [L, P, page, K, Dh] or L x [P, page, K, Dh]
-    v: jax.Array | tuple[jax.Array, ...]
+    k: jax.Array | tuple[jax.Array, ...]  # [La, P, page, K, Dh] or La x [P, page, K, Dh]
+    v: jax.Array | tuple[jax.Array, ...]  # (La: the attention layers)
     table: jax.Array  # [B, capacity / page] int32: the pool page of each row's logical page
-    state: jax.Array | tuple[jax.Array, ...] | None = None  # [L, B, Hv, Dk, Dv] or L x [B, ...]
-    tail: jax.Array | tuple[jax.Array, ...] | None = None  # [L, B, W - 1, C] or L x [B, ...]
+    state: jax.Array | tuple[jax.Array, ...] | None = None  # [Ll, B, Hv, Dk, Dv] or Ll x [B, ...]
+    tail: jax.Array | tuple[jax.Array, ...] | None = None  # [Ll, B, W - 1, C] (Ll: linear layers)
+    # per model layer: its slot in k / v and in state / tail (-1: the other kind); () = identity
+    kv_slots: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
+    state_slots: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
 
     # ------------------------------------------------------------ outside the model
     @staticmethod
@@ -94,6 +111,8 @@ class KVCache:
         identity = jnp.arange(batch * per_row, dtype=jnp.int32).reshape(batch, per_row)
         table = identity if pages >= batch * per_row else jnp.full((batch, per_row), pages, jnp.int32)
         shape = (pages, page, cfg.num_kv_heads, cfg.head_dim)
+        kv_slots, state_slots = layer_slots(cfg)
+        n_kv, n_state = sum(s >= 0 for s in kv_slots), sum(s >= 0 for s in state_slots)
         recurrent = {}
         sm = cfg.sequence_module
         if sm is not None:  # the linear layers' states: float32 (a sum over the whole context)
@@ -101,14 +120,19 @@ class KVCache:
             recurrent = {"state": ((batch, sm.num_value_heads, sm.key_head_dim, sm.value_head_dim),
                                    jnp.float32),
                          "tail": ((batch, sm.conv_kernel - 1, channels), dtype)}
+        slots = {"kv_slots": kv_slots, "state_slots": state_slots} if sm is not None else {}
+        zeros = lambda n, shp, dt: tuple(jnp.zeros(shp, dt) for _ in range(n))  # noqa: E731
         if layout.scanned(cfg):
-            return cls(k=jnp.zeros((cfg.num_layers,) + shape, dtype),
-                       v=jnp.zeros((cfg.num_layers,) + shape, dtype), table=table,
-                       **{name: jnp.zeros((cfg.num_layers,) + shp, dt)
-                          for name, (shp, dt) in recurrent.items()})
-        zeros = lambda shp, dt: tuple(jnp.zeros(shp, dt) for _ in range(cfg.num_layers))  # noqa: E731
-        return cls(k=zeros(shape, dtype), v=zeros(shape, dtype), table=table,
-                   **{name: zeros(shp, dt) for name, (shp, dt) in recurrent.items()})
+            return cls(k=jnp.zeros((n_kv,) + shape, dtype),
+                       v=jnp.zeros((n_kv,) + shape, dtype), table=table,
+                       **{name: jnp.zeros((n_state,) + shp, dt)
+                          for name, (shp, dt) in recurrent.items()}, **slots)
+        # unrolled: one array per layer (no attention layer: an empty stacked pool)
+        kv = {"k": jnp.zeros((0,) + shape, dtype), "v": jnp.zeros((0,) + shape, dtype)} if \
+            n_kv == 0 else {"k": zeros(n_kv, shape, dtype), "v": zeros(n_kv, shape, dtype)}
+        return cls(**kv, table=table,
+                   **{name: zeros(n_state, shp, dt) for name, (shp, dt) in recurrent.items()},
+                   **slots)
 
     @classmethod
     def from_rows(cls, k, v, page: int) -> KVCache:
@@ -130,14 +154,19 @@ class KVCache:
         """The cache's tree with each leaf's logical axis names (parallel/mesh.py's rules)."""
         from mbd_jax.model import layout
 
-        recurrent = {}
+        recurrent, slots = {}, {}
+        kv_slots, state_slots = layer_slots(cfg)
+        n_kv, n_state = sum(s >= 0 for s in kv_slots), sum(s >= 0 for s in state_slots)
         if cfg.sequence_module is not None:  # rows on every data shard, like the pool's pages
             recurrent = {"state": _STATE_AXES, "tail": _TAIL_AXES}
+            slots = {"kv_slots": kv_slots, "state_slots": state_slots}
         if layout.scanned(cfg):
-            return cls(k=_AXES, v=_AXES, table=_TABLE_AXES, **recurrent)
-        return cls(k=(_AXES[1:],) * cfg.num_layers, v=(_AXES[1:],) * cfg.num_layers,
-                   table=_TABLE_AXES,
-                   **{name: (axes[1:],) * cfg.num_layers for name, axes in recurrent.items()})
+            return cls(k=_AXES, v=_AXES, table=_TABLE_AXES, **recurrent, **slots)
+        if n_kv == 0:  # an empty stacked pool beside per-layer states
+            return cls(k=_AXES, v=_AXES, table=_TABLE_AXES,
+                       **{name: (axes[1:],) * n_state for name, axes in recurrent.items()}, **slots)
+        return cls(k=(_AXES[1:],) * n_kv, v=(_AXES[1:],) * n_kv, table=_TABLE_AXES,
+                   **{name: (axes[1:],) * n_state for name, axes in recurrent.items()}, **slots)
 
     @classmethod
     def capacity_for(cls, cfg: ModelConfig, max_write: int) -> int:
@@ -149,8 +178,9 @@ class KVCache:
 
     @staticmethod
     def entry_shape(cfg: ModelConfig, tokens: int) -> tuple[int, ...]:
-        """One row's entries for `tokens` consecutive positions: [L, 2 (k, v), T, K, Dh]."""
-        return (cfg.num_layers, 2, tokens, cfg.num_kv_heads, cfg.head_dim)
+        """One row's entries for `tokens` consecutive positions: [La, 2 (k, v), T, K, Dh] (La:
+        the attention layers)."""
+        return (sum(s >= 0 for s in layer_slots(cfg)[0]), 2, tokens, cfg.num_kv_heads, cfg.head_dim)
 
     @staticmethod
     def join(entries: Sequence[np.ndarray], tokens: int) -> np.ndarray:
@@ -169,15 +199,21 @@ class KVCache:
 
     @property
     def num_layers(self) -> int:
+        """Layers with KV entries (the attention layers)."""
         return self.k.shape[0] if self.stacked else len(self.k)
 
     @property
+    def _pool_shape(self) -> tuple[int, ...]:
+        """[P, page, K, Dh] of one layer's k pool."""
+        return self.k.shape[1:] if self.stacked else self.k[0].shape
+
+    @property
     def page(self) -> int:
-        return self.layer(0)[0].shape[1]
+        return self._pool_shape[1]
 
     @property
     def num_pages(self) -> int:
-        return self.layer(0)[0].shape[0]
+        return self._pool_shape[0]
 
     @property
     def capacity(self) -> int:
@@ -186,11 +222,11 @@ class KVCache:
 
     @property
     def kv_heads(self) -> int:
-        return self.layer(0)[0].shape[2]
+        return self._pool_shape[2]
 
     @property
     def dtype(self):
-        return self.layer(0)[0].dtype
+        return (self.k if self.stacked else self.k[0]).dtype
 
     def nbytes(self) -> int:
         """Bytes of the pool (k and v of every layer; the table is not counted)."""
@@ -230,53 +266,66 @@ class KVCache:
             return buf.at[page, slot].get(mode="fill", fill_value=0)
 
         layers = [jnp.stack([take(k), take(v)], axis=1)  # [n, 2, T, K, Dh]
-                  for k, v in (self.layer(i) for i in range(self.num_layers))]
+                  for k, v in (self._pools(i) for i in range(self.num_layers))]
         return jnp.stack(layers, axis=1)
 
     def rows_view(self) -> tuple[jax.Array, jax.Array]:
         """Every row's positions as dense [L, B, capacity, K, Dh] k and v (tests, debugging)."""
         rows = jnp.arange(self.table.shape[0])
-        k = jnp.stack([self.span(self.layer(i)[0], rows, 0, self.capacity)
+        k = jnp.stack([self.span(self._pools(i)[0], rows, 0, self.capacity)
                        for i in range(self.num_layers)])
-        v = jnp.stack([self.span(self.layer(i)[1], rows, 0, self.capacity)
+        v = jnp.stack([self.span(self._pools(i)[1], rows, 0, self.capacity)
                        for i in range(self.num_layers)])
         return k, v
 
     # ------------------------------------------------------------ inside the model
+    @staticmethod
+    def _slot(slots: tuple[int, ...], layer):
+        """The slot of model layer `layer` (an int, or traced when stacked) in one kind's arrays."""
+        if not slots:
+            return layer
+        return slots[layer] if isinstance(layer, int) else jnp.asarray(slots, jnp.int32)[layer]
+
     def recurrent(self, layer) -> tuple[jax.Array, jax.Array]:
         """One linear-attention layer's (state [B, Hv, Dk, Dv], conv tail [B, W - 1, C]) of
-        every cache row (`layer` may be traced when stacked)."""
+        every cache row (`layer`: the model's layer index; traced when stacked)."""
         if self.state is None:
             raise ValueError("this cache holds no recurrent state (an attention-only model's)")
-        if self.stacked:
-            take = lambda buf: jax.lax.dynamic_index_in_dim(buf, layer, keepdims=False)  # noqa: E731
+        slot = self._slot(self.state_slots, layer)
+        if not isinstance(self.state, tuple):
+            take = lambda buf: jax.lax.dynamic_index_in_dim(buf, slot, keepdims=False)  # noqa: E731
             return take(self.state), take(self.tail)
-        return self.state[layer], self.tail[layer]
+        return self.state[slot], self.tail[slot]
 
     def write_recurrent(self, layer, rows: jax.Array, state: jax.Array, tail: jax.Array,
                         keep: jax.Array) -> KVCache:
         """Cache rows `rows` ([R]) of `layer` take state [R, Hv, Dk, Dv] and tail [R, W - 1, C]
         where `keep` ([R] bool) is False; where True they keep theirs."""
         index = jnp.where(keep, self._rows(), rows)  # out of range: dropped
-        if self.stacked:
+        slot = self._slot(self.state_slots, layer)
+        if not isinstance(self.state, tuple):
             return self.replace(
-                state=self.state.at[layer, index].set(state.astype(self.state.dtype), mode="drop"),
-                tail=self.tail.at[layer, index].set(tail.astype(self.tail.dtype), mode="drop"))
+                state=self.state.at[slot, index].set(state.astype(self.state.dtype), mode="drop"),
+                tail=self.tail.at[slot, index].set(tail.astype(self.tail.dtype), mode="drop"))
         st, tl = list(self.state), list(self.tail)
-        st[layer] = st[layer].at[index].set(state.astype(st[layer].dtype), mode="drop")
-        tl[layer] = tl[layer].at[index].set(tail.astype(tl[layer].dtype), mode="drop")
+        st[slot] = st[slot].at[index].set(state.astype(st[slot].dtype), mode="drop")
+        tl[slot] = tl[slot].at[index].set(tail.astype(tl[slot].dtype), mode="drop")
         return self.replace(state=tuple(st), tail=tuple(tl))
 
     def _rows(self) -> int:
         return self.table.shape[0]
 
     def layer(self, layer) -> tuple[jax.Array, jax.Array]:
-        """One layer's k and v pools, [P, page, K, Dh] each (`layer` may be traced when
-        stacked)."""
+        """One attention layer's k and v pools, [P, page, K, Dh] each (`layer`: the model's
+        layer index; traced when stacked)."""
+        return self._pools(self._slot(self.kv_slots, layer))
+
+    def _pools(self, slot) -> tuple[jax.Array, jax.Array]:
+        """The k and v pools in KV slot `slot` (the i-th attention layer)."""
         if self.stacked:
-            take = lambda buf: jax.lax.dynamic_index_in_dim(buf, layer, keepdims=False)  # noqa: E731
+            take = lambda buf: jax.lax.dynamic_index_in_dim(buf, slot, keepdims=False)  # noqa: E731
             return take(self.k), take(self.v)
-        return self.k[layer], self.v[layer]
+        return self.k[slot], self.v[slot]
 
     def span(self, pool: jax.Array, rows: jax.Array | None, start, length: int) -> jax.Array:
         """Positions [start, start + length) of cache rows `rows` ([R]; None: every row) from
@@ -300,12 +349,13 @@ class KVCache:
         page = jnp.where(meta.write[:, None], page, self.num_pages)  # kept rows: dropped
         # One scatter per pool with mode="drop": no read of the old entries (a read would make
         # XLA copy the pool to keep it for the read).
+        i = self._slot(self.kv_slots, layer)
         if self.stacked:
             def put(buf, new):
-                return buf.at[layer, page, slot].set(new.astype(buf.dtype), mode="drop")
+                return buf.at[i, page, slot].set(new.astype(buf.dtype), mode="drop")
 
             return self.replace(k=put(self.k, k_new), v=put(self.v, v_new))
         k, v = list(self.k), list(self.v)
-        k[layer] = k[layer].at[page, slot].set(k_new.astype(k[layer].dtype), mode="drop")
-        v[layer] = v[layer].at[page, slot].set(v_new.astype(v[layer].dtype), mode="drop")
+        k[i] = k[i].at[page, slot].set(k_new.astype(k[i].dtype), mode="drop")
+        v[i] = v[i].at[page, slot].set(v_new.astype(v[i].dtype), mode="drop")
         return self.replace(k=tuple(k), v=tuple(v))
