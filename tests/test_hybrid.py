@@ -4,6 +4,7 @@ transformers, converted, and run by the full-sequence forward; the sequence-modu
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
@@ -246,3 +247,34 @@ def test_each_layer_kind_holds_only_its_own_cache(loop):
     out = engine.generate([[7, 8, 9, 10]], DecodeConfig(max_new_tokens=8))[0].token_ids
     assert len(out) == 8
 
+
+
+def test_the_service_serves_a_hybrid_like_offline_generate(tmp_path):
+    """`mbd-jax serve` on tiny-hybrid (the prefix cache off, as the store holds no states):
+    completions, streamed or not, equal offline generation with MultiBD."""
+    import httpx
+
+    from mbd_jax.checkpoint import load_model as load
+    from tests.live_server import KEY, Server
+
+    srv = Server(tmp_path, [KEY], sections={"model": "tiny-hybrid"})
+    try:
+        m = load("tiny-hybrid")
+        engine = Engine(m.cfg, m.params, batch_size=8, buffer_size=2, prefill_chunk=64,
+                        tokenizer=m.tokenizer)
+        prompts = ["Sort: 3 1 2", "What is 12 + 30?"]
+        want = engine.generate([m.tokenizer.encode(p) for p in prompts],
+                               DecodeConfig(buffer_size=2, max_new_tokens=20))
+        with httpx.Client(base_url=srv.url, timeout=120,
+                          headers={"Authorization": f"Bearer {KEY}"}) as http:
+            for p, w in zip(prompts, want):
+                body = {"model": "tiny-hybrid", "prompt": p, "max_tokens": 20}
+                r = http.post("/v1/completions", json=body)
+                assert r.status_code == 200 and r.json()["choices"][0]["text"] == w.text, r.text
+                with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+                    events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+                chunks = [json.loads(e) for e in events if e != "[DONE]"]
+                assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == w.text
+            assert any(len(w.token_ids) > 4 for w in want)
+    finally:
+        srv.stop()

@@ -296,6 +296,32 @@ def test_blocks_reach_the_store_when_the_engine_goes_idle():
     assert store.stats.hits == 4
 
 
+def test_a_lookup_is_counted_once_whether_prefetched_or_not():
+    """The store's hit and miss counts (the hit-ratio metric) count each admission's lookup
+    once: a prefetch that found nothing and the admission's own look do not both count."""
+    store = PrefixStore("tiny", 8, ram_bytes=1 << 24)
+    engine = make_engine(store, share_prefixes=False)
+    rng = np.random.default_rng(11)
+    cold, warm = (rng.integers(10, 500, size=35).tolist() for _ in range(2))  # 4 full blocks
+
+    def admit(row, prompt, prefetch):  # as the scheduler does
+        adm = engine.begin_admit({row: (prompt, DecodeConfig())},
+                                 prefetched={row: engine.prefetch(prompt)} if prefetch else None)
+        while not engine.prefill_step(adm):
+            pass
+        engine.finish_admit(engine.empty_state(), adm)
+
+    admit(0, cold, prefetch=True)
+    assert (store.stats.hits, store.stats.misses) == (0, 4)
+    block = np.zeros(engine.cache.entry_shape(engine.cfg, 8), engine.kv.dtype)
+    for key in store.keys(warm)[:2]:  # the first two blocks stored, the third not
+        store.put(key, block)
+    admit(1, warm, prefetch=True)
+    assert (store.stats.hits, store.stats.misses) == (2, 6)
+    admit(1, warm, prefetch=False)  # looked up at admission
+    assert (store.stats.hits, store.stats.misses) == (4, 8)
+
+
 def test_the_store_serves_what_the_pool_evicted():
     """The store is the tier below the pool: a prompt whose leading page is still in the pool
     and whose later blocks were evicted maps that page and loads the rest from the store,

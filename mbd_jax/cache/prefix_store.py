@@ -165,10 +165,12 @@ class PrefixStore:
         return block_keys(self.model_id, tokens, self.block_size, known)
 
     def lookup(self, tokens: Sequence[int], max_blocks: int | None = None,
-               first: int = 0) -> list[np.ndarray]:
+               first: int = 0, count: bool = True) -> list[np.ndarray]:
         """The longest run of full blocks of `tokens` from block `first` on (the caller holds
         the ones before it) that the store holds. A key chains the whole prefix, so a block is
-        found by its prefix whatever the store still holds of the blocks before it."""
+        found by its prefix whatever the store still holds of the blocks before it. `count`:
+        add the blocks found and missed to the stats (a caller that may look again, and use only
+        the later lookup, counts that one with `record`)."""
         found = []
         keys = self.keys(tokens)[first:max_blocks]
         for key in keys:
@@ -176,21 +178,25 @@ class PrefixStore:
             if entry is None:
                 break
             found.append(entry)
-        with self._lock:
-            self.stats.misses += len(keys) - len(found)
+        if count:
+            self.record(len(found), len(keys) - len(found))
         return found
 
+    def record(self, hits: int, misses: int) -> None:
+        """Counts a lookup's blocks found and missed."""
+        with self._lock:
+            self.stats.hits += hits
+            self.stats.misses += misses
+
     def get(self, key: str) -> np.ndarray | None:
+        """One block's entry from RAM, else from disk (then kept in RAM); not counted."""
         with self._lock:
             entry = self._ram.get(key)
             if entry is not None:
                 self._ram.move_to_end(key)
-                self.stats.hits += 1
                 return entry
         entry = self._read_disk(key)
         if entry is not None:
-            with self._lock:
-                self.stats.hits += 1
             self._put_ram(key, entry)
         return entry
 

@@ -403,8 +403,8 @@ class Engine:
     def prefetch(self, prompt: Sequence[int]) -> PrefixHit | None:
         """Looks a prompt's full blocks past the pages the pool maps up in the prefix store and
         starts their transfer to the device (the scheduler calls this for queued requests, so the
-        copy overlaps their wait; admission looks again if the pool changed meanwhile). None
-        without a store or a hit."""
+        copy overlaps their wait; admission looks again if the pool changed meanwhile, and counts
+        the lookup it uses). None without a store."""
         if self._prefix is None:
             return None
         pool_hit = len(self._prefix_pages(prompt)[1]) * self.pages.page  # the store's start

@@ -24,8 +24,9 @@ class PrefixHit:
     """A prompt's leading blocks found in the prefix store, already on their way to the device."""
 
     after: int  # the store's blocks start here (the positions before it are the pool's pages)
-    tokens: int  # prompt positions [0, tokens) are covered
+    tokens: int  # prompt positions [0, tokens) are covered (`after`: nothing found)
     chunks: list[tuple[int, jax.Array]]  # (start, cache entries of T positions), T a prefill bucket
+    asked: int = 0  # blocks looked up (found: (tokens - after) / block size)
 
 
 class PrefixGlue:
@@ -58,33 +59,36 @@ class PrefixGlue:
         empty = jax.jit(lambda: jnp.zeros(staging, self.dtype), out_shardings=replicated)
         self.offloader = KVOffloader(store, gather, empty, batch_size, blocks_per_call)
 
-    def prefetch(self, prompt: Sequence[int], after: int = 0) -> PrefixHit | None:
+    def prefetch(self, prompt: Sequence[int], after: int = 0) -> PrefixHit:
         """Looks a prompt's leading full blocks up and starts the transfer of those from position
-        `after` on (a multiple of the block size: what the KV pool already maps) to the device;
-        None without a hit past `after`."""
+        `after` on (a multiple of the block size: what the KV pool already maps) to the device.
+        Not counted in the store's stats: `load` counts the lookup it uses."""
         blk = self.cfg.block_size
-        entries = self.store.lookup(prompt, max_blocks=len(prompt) // blk, first=after // blk)
-        if not entries:
-            return None
+        first, last = after // blk, len(prompt) // blk
+        entries = self.store.lookup(prompt, max_blocks=last, first=first, count=False)
         per_chunk = self._prefill_chunk // blk
         chunks = []
-        for first in range(0, len(entries), per_chunk):
-            part = entries[first: first + per_chunk]
+        for start in range(0, len(entries), per_chunk):
+            part = entries[start: start + per_chunk]
             span = self.cache.join(part, self._bucket_of(len(part) * blk))  # padded to a bucket
-            chunks.append((after + first * blk, self._put(span)))
-        return PrefixHit(after=after, tokens=after + len(entries) * blk, chunks=chunks)
+            chunks.append((after + start * blk, self._put(span)))
+        return PrefixHit(after=after, tokens=after + len(entries) * blk, chunks=chunks,
+                         asked=max(last - first, 0))
 
     def load(self, kv: Any, row: int, prompt: np.ndarray, hit: PrefixHit | None,
              after: int = 0) -> tuple[Any, int]:
         """Copies the prompt's stored blocks from position `after` on into `row` (looked up now
         unless `hit` was prefetched from the same position); returns the buffer and how many
         prompt tokens the row then holds. Positions below `after` are the pool's shared prefix
-        pages: their blocks were persisted when first prefilled, and nothing is written there."""
+        pages: their blocks were persisted when first prefilled, and nothing is written there.
+        The lookup used is the one counted in the store's stats, once."""
         if hit is None or hit.after != after:  # the pool changed while the request waited
             hit = self.prefetch(prompt, after)
-        for chunk_start, blocks in hit.chunks if hit else ():
+        found = (hit.tokens - hit.after) // self.cfg.block_size
+        self.store.record(found, hit.asked - found)
+        for chunk_start, blocks in hit.chunks:
             kv = self._load(kv, blocks, np.int32(row), np.int32(chunk_start))
-        tokens = hit.tokens if hit else after
+        tokens = hit.tokens
         self.offloader.reset_row(row, tokens // self.cfg.block_size)
         return kv, tokens
 
