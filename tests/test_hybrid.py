@@ -102,17 +102,12 @@ def test_converted_hybrid_logits_equal_transformers_at_block_size_1(converted):
 
 
 def test_what_a_hybrid_cannot_do_yet_is_refused_by_the_field_that_makes_it_one(converted):
-    """Training (the trainer's [clean; noisy] streams) and the prefix cache (its entries hold no
-    recurrent state) are refused by name before anything runs: both would read the linear layers
-    wrong, not fail."""
+    """The prefix cache (its entries hold no recurrent state) is refused by name before anything
+    runs: it would load a hybrid's rows wrong, not fail."""
     from mbd_jax.cache.prefix_store import PrefixStore
-    from mbd_jax.train.config import TrainConfig
-    from mbd_jax.train.trainer import Trainer
 
     _, d = converted
     m = load_model(str(d))
-    with pytest.raises(UserError, match="field 'sequence_module'.*not built yet"):
-        Trainer(TrainConfig(name="t", model=str(d)), m.cfg, m.params, None)
     with pytest.raises(UserError, match="recurrent states.*'sequence_module'.*cache.enabled"):
         Engine(m.cfg, m.params, batch_size=1, prefill_chunk=8,
                prefix_store=PrefixStore("m", m.cfg.block_size, ram_bytes=1 << 20))
@@ -251,7 +246,7 @@ def test_each_layer_kind_holds_only_its_own_cache(loop):
 
 def test_the_service_serves_a_hybrid_like_offline_generate(tmp_path):
     """`mbd-jax serve` on tiny-hybrid (the prefix cache off, as the store holds no states):
-    completions, streamed or not, equal offline generation with MultiBD."""
+    completions, streamed or not, equal offline generation with MultiBD; voting answers."""
     import httpx
 
     from mbd_jax.checkpoint import load_model as load
@@ -276,5 +271,10 @@ def test_the_service_serves_a_hybrid_like_offline_generate(tmp_path):
                 chunks = [json.loads(e) for e in events if e != "[DONE]"]
                 assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == w.text
             assert any(len(w.token_ids) > 4 for w in want)
+            r = http.post("/v1/completions", json={  # voting reads the recorded trajectories
+                "prompt": prompts[1], "max_tokens": 16,
+                "decoding": {"voting": {"extractor": "regex", "pattern": r"(\w+)"}}})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["voting"]["final_answer"] is not None
     finally:
         srv.stop()

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import pytest
 
+from mbd_jax.config import SequenceModule
 from mbd_jax.checkpoint import load_model
 from mbd_jax.model.transformer import init_params
 from mbd_jax.train.config import TrainConfig
@@ -51,9 +52,18 @@ def test_batches_are_a_function_of_seed_and_step():
     assert a.noisy.shape[0] == 8 * 3  # two systematic layouts + one random per example
 
 
-@pytest.mark.parametrize("objective,g_max", [("bd", 1), ("multitf", 2)])
-def test_short_run_lowers_the_loss(objective, g_max):
+@pytest.mark.parametrize("objective,g_max,hybrid", [("bd", 1, False), ("multitf", 2, False),
+                                                    ("multitf", 2, True)])
+def test_short_run_lowers_the_loss(objective, g_max, hybrid):
+    """Both objectives train; the Gated DeltaNet hybrid (layer 0 linear, bidirectional) too."""
     cfg, params, tok = small_model()
+    if hybrid:
+        cfg = dataclasses.replace(cfg, sequence_module=SequenceModule(
+            type="gated_deltanet", block_mode="bidirectional",
+            layer_types=("linear_attention", "full_attention"), num_key_heads=2,
+            num_value_heads=4, key_head_dim=8, value_head_dim=8, conv_kernel=4,
+            chunk_size=cfg.block_size))
+        params = init_params(cfg)
     trainer = Trainer(tcfg(objective=objective, g_max=g_max), cfg, params, tok)
     history = trainer.fit(progress=False)
     first, last = history[0]["loss"], np.mean([h["loss"] for h in history[-5:]])

@@ -97,22 +97,31 @@ def test_chain_uniform_noise_and_exact_mask_counts():
 
 
 @functools.partial(jax.jit, static_argnums=0)  # one program per length (op by op: 40 s)
-def _jit_forward(cfg, params, tokens, positions, mask):
-    logits, _ = Transformer(cfg).apply({"params": params}, tokens[None],
-                                       ForwardMeta.explicit(positions[None], mask[None]))
+def _jit_forward(cfg, params, tokens, positions, mask, groups=None):
+    meta = ForwardMeta.explicit(positions[None], mask[None],
+                                None if groups is None else groups[None])
+    logits, _ = Transformer(cfg).apply({"params": params}, tokens[None], meta)
     return logits[0]
 
 
-def _forward(cfg, params, tokens, positions, mask):
-    return np.asarray(_jit_forward(cfg, params, tokens, positions, mask))
+def _forward(cfg, params, tokens, positions, mask, groups=None):
+    return np.asarray(_jit_forward(cfg, params, tokens, positions, mask, groups))
 
 
+@pytest.mark.parametrize("model", ["attention", "hybrid-causal", "hybrid-bidirectional"])
 @pytest.mark.parametrize("groups", [[0, 1, 2, 3], [0, 1, 1, 2], [0, 0, 1, 1]])
-def test_noisy_stream_equals_what_decoding_shows_the_model(groups):
+def test_noisy_stream_equals_what_decoding_shows_the_model(groups, model):
     """A noisy group's logits in the dual stream equal a plain block-causal forward over
     [clean blocks before the group ; the group's noisy blocks], which is what the Block Buffer
-    holds when MultiBD decodes that group (one block per group = block diffusion)."""
-    cfg, params = tiny_cfg(), tiny_params()
+    holds when MultiBD decodes that group (one block per group = block diffusion). For the
+    hybrid, in both block modes: its linear layers start each noisy group from the clean state
+    and conv inputs before it (tests/test_hybrid.py checks that view against the state cache)."""
+    if model == "attention":
+        cfg, params = tiny_cfg(), tiny_params()
+    else:
+        from tests.test_hybrid import hybrid_cfg
+
+        cfg, params = hybrid_cfg(model.removeprefix("hybrid-"))
     blk = cfg.block_size
     groups = np.array(groups, np.int32)
     seq = len(groups) * blk
@@ -122,7 +131,8 @@ def test_noisy_stream_equals_what_decoding_shows_the_model(groups):
     noisy = np.where(masked, cfg.mask_token_id, clean).astype(np.int32)
     pos = np.arange(seq, dtype=np.int32)
     mask = objective.dual_stream_mask(jnp.asarray(groups[None]), blk)[0]
-    dual = _forward(cfg, params, np.concatenate([noisy, clean]), np.concatenate([pos, pos]), mask)
+    dual = _forward(cfg, params, np.concatenate([noisy, clean]), np.concatenate([pos, pos]), mask,
+                    groups)
     for g in np.unique(groups):
         blocks = np.nonzero(groups == g)[0]
         lo, hi = blocks[0] * blk, (blocks[-1] + 1) * blk

@@ -86,9 +86,13 @@ def recurrent(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
 
 
 def chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
-            state: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
+            state: jax.Array, chunk: int,
+            restart: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
     """The gated delta rule `chunk` tokens at a time. Returns (o [B, T, Hv, Dv] float32, the
-    state after each chunk [B, N, Hv, Dk, Dv], N = ceil(T / chunk); the last is the final state)."""
+    state after each chunk [B, N, Hv, Dk, Dv], N = ceil(T / chunk); the last is the final state).
+    `restart` (flags [B, N] bool, states [B, N, Hv, Dk, Dv]): a flagged chunk starts from the
+    given state instead of the one the chunks before it left (the trainer's noise groups, each
+    starting from the clean state before it)."""
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     b, h, t, dk = k.shape
     dv = v.shape[-1]
@@ -119,28 +123,35 @@ def chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Ar
     chunk_decay = jnp.exp(gamma[..., -1])[..., None, None]  # [B, H, N, 1, 1]
 
     def step(s, x):  # s: [B, H, Dk, Dv]
-        u_c, w_c, sc_c, qd_c, kd_c, cd_c = x
+        u_c, w_c, sc_c, qd_c, kd_c, cd_c, *given = x
+        if given:  # this chunk's restart flag [B] and state
+            s = jnp.where(given[0][:, None, None, None], given[1], s)
         v_new = u_c - jnp.einsum("bhck,bhkv->bhcv", w_c, s)  # the corrections actually written
         o = jnp.einsum("bhck,bhkv->bhcv", qd_c, s) + jnp.einsum("bhij,bhjv->bhiv", sc_c, v_new)
         s = s * cd_c + jnp.einsum("bhck,bhcv->bhkv", kd_c, v_new)
         return s, (o, s)
 
     xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, scores, q_decayed, k_decayed, chunk_decay))
+    if restart is not None:
+        xs += (jnp.moveaxis(restart[0], 1, 0), jnp.moveaxis(restart[1].astype(jnp.float32), 1, 0))
     _, (o, states) = jax.lax.scan(step, state.astype(jnp.float32), xs)
     o = jnp.moveaxis(o, 0, 2).reshape(b, h, n * chunk, dv)[:, :, :t]  # [B, H, T, Dv]
     return jnp.swapaxes(o, 1, 2), jnp.moveaxis(states, 0, 1)
 
 
 def block_outputs(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
-                  state: jax.Array, block: int, mode: BlockMode) -> tuple[jax.Array, jax.Array]:
+                  state: jax.Array, block: int, mode: BlockMode,
+                  restart: tuple[jax.Array, jax.Array] | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
     """A window of whole blocks (T a multiple of `block`) read from the committed `state` under
     the block mode. Returns (o [B, T, Hv, Dv] float32, the state after each block
-    [B, T / block, Hv, Dk, Dv]): the caller keeps the one after the blocks it commits."""
+    [B, T / block, Hv, Dk, Dv]): the caller keeps the one after the blocks it commits.
+    `restart`: blocks that start from a given state (`chunked`)."""
     if q.shape[1] % block:
         raise ValueError(f"{q.shape[1]} tokens are not whole blocks of {block}")
     if mode not in BLOCK_MODES:
         raise ValueError(f"block mode {mode!r}: one of {', '.join(BLOCK_MODES)}")
-    o, states = chunked(q, k, v, g, beta, state, block)
+    o, states = chunked(q, k, v, g, beta, state, block, restart)
     if mode == "causal":
         return o, states
     # bidirectional: every position of block n reads the state after block n

@@ -9,7 +9,9 @@ Two kinds of forward read it:
   that cache row's positions [0, visible_len) under the block-causal rule. A forward over a few of
   the cache's rows (one prompt's prefill) computes only those;
 - without a cache (training, the full-sequence reference): the T tokens attend to each other
-  under an explicit `mask`.
+  under an explicit `mask`. The trainer's rows are [noisy ; clean] dual streams whose noisy
+  blocks fall in noise `groups` (train/objective.py): attention reads that from the mask, a
+  recurrent layer from `groups` (a noisy group starts from the clean state before it).
 
 A layer kind takes what it needs from it. Attention reads all of it but `commit`; a recurrent
 layer (model/gated_deltanet.py) keeps, per cache row, its state after the row's committed
@@ -36,6 +38,7 @@ class ForwardMeta:
     mask: jax.Array | None = None  # [B, T, T] bool: explicit attention (no cache)
     commit: jax.Array | None = None  # [B] int32: leading tokens of the T (whole blocks) that
     # this forward commits (recurrent layers advance their state past them)
+    groups: jax.Array | None = None  # [B, nb] int32: a dual stream's noise group of each block
 
     @classmethod
     def cached(cls, positions: jax.Array, write_offset: jax.Array, visible_len: jax.Array,
@@ -52,9 +55,11 @@ class ForwardMeta:
                    write=write, rows=rows, commit=commit)
 
     @classmethod
-    def explicit(cls, positions: jax.Array, mask: jax.Array) -> ForwardMeta:
-        """A forward without a cache: the tokens attend to each other under `mask`."""
-        return cls(positions=positions, mask=mask)
+    def explicit(cls, positions: jax.Array, mask: jax.Array,
+                 groups: jax.Array | None = None) -> ForwardMeta:
+        """A forward without a cache: the tokens attend to each other under `mask`; with
+        `groups`, they are the trainer's [noisy ; clean] dual stream in those noise groups."""
+        return cls(positions=positions, mask=mask, groups=groups)
 
     @property
     def uses_cache(self) -> bool:

@@ -8,7 +8,10 @@ as a Flax module over model/delta_rule.py's pure functions.
     out = out_proj(gated_rms_norm(o, z))                                       [B, T, D]
 
 Without a cache the layer reads its T tokens as one sequence from position 0, in blocks of
-cfg.block_size (the full-sequence reference: the block-causal rule's view of a whole stream).
+cfg.block_size (the full-sequence reference: the block-causal rule's view of a whole stream), or,
+given `meta.groups`, as the trainer's [noisy ; clean] dual stream: each noisy group starts from
+the clean state (and conv inputs) before it and chains through its own noisy blocks, which is
+what a MultiBD window reads when it decodes that group.
 Over a cache (prefill chunks, decode windows) each row starts from its state and conv tail after
 its committed positions (zeros when it has none) and reads the T tokens, whole blocks from
 there, under the same rule; the state after the tokens `meta.commit` says are committed (and
@@ -37,6 +40,55 @@ def _pad_blocks(block: int, q, k, v, g, beta):
         return q, k, v, g, beta
     width = lambda x: [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)  # noqa: E731
     return tuple(jnp.pad(x, width(x)) for x in (q, k, v, g, beta))
+
+
+def _group_starts(groups: jax.Array) -> jax.Array:
+    """groups [B, nb] (consecutive, numbered in order) -> the first block of each block's group."""
+    return jnp.sum(groups[:, None, :] < groups[:, :, None], axis=-1)
+
+
+def _dual_stream_conv(channels: jax.Array, weight: jax.Array, groups: jax.Array,
+                      block: int) -> jax.Array:
+    """The causal conv over a [noisy ; clean] dual stream (channels [B, 2L, C], weight [C, W]):
+    the clean half as one sequence; in the noisy half, a position reads the noisy inputs of its
+    own group and, before the group's first position, the clean ones (what a decode window reads
+    after the committed blocks). Returns the SiLU outputs [B, 2L, C]."""
+    b, two_l, c = channels.shape
+    seq, width = two_l // 2, weight.shape[1]
+    noisy, clean = channels[:, :seq], channels[:, seq:]
+    clean_out, _ = delta_rule.causal_conv1d(clean, weight, jnp.zeros((b, width - 1, c), clean.dtype))
+    pos = jnp.arange(seq)
+    start = jnp.repeat(_group_starts(groups), block, axis=1) * block  # [B, L] group's first position
+    total = 0
+    for i in range(width):  # tap i reads position p - (W - 1) + i
+        src = pos - (width - 1) + i  # [L]
+        idx = jnp.broadcast_to(jnp.maximum(src, 0)[None, :, None], (b, seq, c))
+        from_noisy = jnp.take_along_axis(noisy, idx, axis=1)
+        from_clean = jnp.take_along_axis(clean, idx, axis=1)
+        value = jnp.where((src[None] >= start)[..., None], from_noisy,
+                          jnp.where((src >= 0)[None, :, None], from_clean, 0))
+        total = total + value * weight[:, i].astype(value.dtype)
+    return jnp.concatenate([jax.nn.silu(total), clean_out], axis=1)
+
+
+def _dual_stream_rule(q, k, v, g, beta, groups: jax.Array, block: int, mode: str) -> jax.Array:
+    """The gated delta rule over a [noisy ; clean] dual stream (inputs [B, 2L, ...]): the clean
+    half from a zero state; each noisy group from the clean state after the blocks before it,
+    chained through the group's own noisy blocks (the MultiBD window's view). Returns o
+    [B, 2L, Hv, Dv] float32."""
+    seq = q.shape[1] // 2
+    halves = [tuple(x[:, lo:lo + seq] for x in (q, k, v, g, beta)) for lo in (seq, 0)]
+    hv, dk, dv = v.shape[2], q.shape[3], v.shape[3]
+    zero = jnp.zeros((q.shape[0], hv, dk, dv), jnp.float32)
+    o_clean, clean_states = delta_rule.block_outputs(*halves[0], zero, block, mode)
+    first = _group_starts(groups)  # [B, nb]
+    restarts = first == jnp.arange(groups.shape[1])[None]  # blocks that start a group
+    before = jnp.take_along_axis(clean_states, jnp.maximum(first - 1, 0)[..., None, None, None],
+                                 axis=1)  # the clean state after the blocks before the group
+    before = jnp.where((first > 0)[..., None, None, None], before, 0.0)
+    o_noisy, _ = delta_rule.block_outputs(*halves[1], zero, block, mode,
+                                          restart=(restarts, before))
+    return jnp.concatenate([o_noisy, o_clean], axis=1)
 
 
 class GatedDeltaNet(nn.Module):
@@ -80,11 +132,17 @@ class GatedDeltaNet(nn.Module):
             fresh = (meta.write_offset == 0)[:, None, None]
             state = jnp.where(fresh[..., None], state, cached_state)
             tail = jnp.where(fresh, tail, cached_tail.astype(dt))
-        mixed, _ = delta_rule.causal_conv1d(channels, weight, tail)
+        dual = cache is None and meta.groups is not None  # the trainer's [noisy ; clean] rows
+        if dual:
+            mixed = _dual_stream_conv(channels, weight, meta.groups, cfg.block_size)
+        else:
+            mixed, _ = delta_rule.causal_conv1d(channels, weight, tail)
         q, k, v = jnp.split(mixed, [hk * dk, 2 * hk * dk], axis=-1)
         q, k, v = q.reshape(b, t, hk, dk), k.reshape(b, t, hk, dk), v.reshape(b, t, hv, dv)
 
-        if cache is None and sm.block_mode == "causal":  # any chunk gives these outputs
+        if dual:
+            o = _dual_stream_rule(q, k, v, g, beta, meta.groups, cfg.block_size, sm.block_mode)
+        elif cache is None and sm.block_mode == "causal":  # any chunk gives these outputs
             o, _ = delta_rule.chunked(q, k, v, g, beta, state, sm.chunk_size)
         else:  # the state after each block, for the commit
             o, states = delta_rule.block_outputs(*_pad_blocks(cfg.block_size, q, k, v, g, beta),

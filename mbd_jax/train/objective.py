@@ -168,7 +168,7 @@ def loss_fn(params, model, batch: dict[str, jax.Array], *, block_size: int,
     positions = jnp.tile(jnp.arange(seq, dtype=jnp.int32), (r, 2))  # [R, 2L]
     mask = dual_stream_mask(batch["groups"], block_size)
     (logits, _), state = model.apply({"params": params}, tokens,
-                                     ForwardMeta.explicit(positions, mask),
+                                     ForwardMeta.explicit(positions, mask, batch["groups"]),
                                      mutable=["intermediates"])
     load = state.get("intermediates", {})
     logits = logits[:, :seq].astype(jnp.float32)  # [R, L, V]: the noisy stream's predictions

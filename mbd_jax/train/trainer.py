@@ -167,10 +167,6 @@ class Trainer:
         self.tcfg = tcfg
         self.cfg = dataclasses.replace(cfg, name=tcfg.name, compute_dtype=tcfg.compute_dtype)
         self.tokenizer = tokenizer
-        if cfg.sequence_module is not None:  # its layers would read the streams as one sequence
-            raise UserError(f"model {cfg.name}: field 'sequence_module' makes it a hybrid, and "
-                            "training a hybrid (a recurrent reading of the [clean; noisy] streams) "
-                            "is not built yet (issue 17)")
         if tcfg.seq_len % cfg.block_size or tcfg.seq_len > cfg.max_seq_len:
             raise UserError(f"seq_len {tcfg.seq_len}: must be a multiple of block_size "
                             f"({cfg.block_size}) and <= max_seq_len ({cfg.max_seq_len})")
