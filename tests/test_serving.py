@@ -357,9 +357,10 @@ def test_deadlines_give_504(tmp_path):
     """One row: a long request exceeds generation_timeout_ms (504) while a second one, stuck in the
     queue behind it, exceeds queue_timeout_ms (503); the server keeps serving afterwards."""
     srv = Server(tmp_path, [KEY], max_batch_size=1, queue_timeout_ms=60,
-                 generation_timeout_ms=3000)
+                 generation_timeout_ms=1500)
     try:
-        # ~1000 forwards: far longer than the budget on any machine
+        # ~1000 forwards, one token each (several seconds under the suite's XLA flags): longer
+        # than the budget, which in turn leaves the second request ample time to queue
         slow = {"prompt": "hi", "max_tokens": 1000,
                 "decoding": {"buffer_size": 1, "policy": "fixed_steps", "steps_per_block": 8}}
 

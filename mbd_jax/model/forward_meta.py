@@ -27,6 +27,12 @@ import jax
 import jax.numpy as jnp
 
 
+def group_starts(groups: jax.Array) -> jax.Array:
+    """groups [B, nb] (consecutive, numbered in order) -> the first block of each block's noise
+    group [B, nb] (a group's first block = the number of blocks in the groups before it)."""
+    return jnp.sum(groups[:, None, :] < groups[:, :, None], axis=-1)
+
+
 @flax.struct.dataclass
 class ForwardMeta:
     positions: jax.Array  # [B, T] int32: each token's absolute position

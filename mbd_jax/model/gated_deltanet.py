@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from mbd_jax.config import ModelConfig
 from mbd_jax.model import delta_rule
-from mbd_jax.model.forward_meta import ForwardMeta
+from mbd_jax.model.forward_meta import ForwardMeta, group_starts
 from mbd_jax.model.params import NORMAL, param
 
 
@@ -42,11 +42,6 @@ def _pad_blocks(block: int, q, k, v, g, beta):
     return tuple(jnp.pad(x, width(x)) for x in (q, k, v, g, beta))
 
 
-def _group_starts(groups: jax.Array) -> jax.Array:
-    """groups [B, nb] (consecutive, numbered in order) -> the first block of each block's group."""
-    return jnp.sum(groups[:, None, :] < groups[:, :, None], axis=-1)
-
-
 def _dual_stream_conv(channels: jax.Array, weight: jax.Array, groups: jax.Array,
                       block: int) -> jax.Array:
     """The causal conv over a [noisy ; clean] dual stream (channels [B, 2L, C], weight [C, W]):
@@ -58,7 +53,7 @@ def _dual_stream_conv(channels: jax.Array, weight: jax.Array, groups: jax.Array,
     noisy, clean = channels[:, :seq], channels[:, seq:]
     clean_out, _ = delta_rule.causal_conv1d(clean, weight, jnp.zeros((b, width - 1, c), clean.dtype))
     pos = jnp.arange(seq)
-    start = jnp.repeat(_group_starts(groups), block, axis=1) * block  # [B, L] group's first position
+    start = jnp.repeat(group_starts(groups), block, axis=1) * block  # [B, L] group's first position
     total = 0
     for i in range(width):  # tap i reads position p - (W - 1) + i
         src = pos - (width - 1) + i  # [L]
@@ -81,7 +76,7 @@ def _dual_stream_rule(q, k, v, g, beta, groups: jax.Array, block: int, mode: str
     hv, dk, dv = v.shape[2], q.shape[3], v.shape[3]
     zero = jnp.zeros((q.shape[0], hv, dk, dv), jnp.float32)
     o_clean, clean_states = delta_rule.block_outputs(*halves[0], zero, block, mode)
-    first = _group_starts(groups)  # [B, nb]
+    first = group_starts(groups)  # [B, nb]
     restarts = first == jnp.arange(groups.shape[1])[None]  # blocks that start a group
     before = jnp.take_along_axis(clean_states, jnp.maximum(first - 1, 0)[..., None, None, None],
                                  axis=1)  # the clean state after the blocks before the group

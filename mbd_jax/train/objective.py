@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mbd_jax.model.forward_meta import ForwardMeta
+from mbd_jax.model.forward_meta import ForwardMeta, group_starts
 
 T_LOW, T_HIGH, RHO = 0.001, 1.0, 0.01
 
@@ -141,8 +141,7 @@ def dual_stream_mask(groups: jax.Array, block_size: int) -> jax.Array:
     n_blocks = groups.shape[1]
     block = jnp.arange(n_blocks * block_size) // block_size  # [L]
     group = jnp.take(groups, block, axis=1)  # [R, L]
-    # groups are consecutive and numbered in order, so a group's first block = #blocks before it
-    first = jnp.sum(groups[:, None, :] < group[:, :, None], axis=-1)  # [R, L]
+    first = jnp.take(group_starts(groups), block, axis=1)  # [R, L]: each position's group start
     qb, kb = block[:, None], block[None, :]  # [L, 1], [1, L]
     noisy_noisy = (group[:, :, None] == group[:, None, :]) & (kb <= qb)[None]
     noisy_clean = kb[None] < first[:, :, None]
