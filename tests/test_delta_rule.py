@@ -57,6 +57,26 @@ def test_chunked_equals_the_recurrence_and_numpy(chunk):
     np.testing.assert_allclose(states, ref_states[:, ends], atol=1e-5)
 
 
+@pytest.mark.parametrize("size", [1, 3, 8, 13, 64])
+def test_unit_lower_inverse_equals_numpy(size):
+    """(I + A)^-1 of strictly lower-triangular A, any size (padded to a power of two inside)."""
+    rng = np.random.default_rng(size)
+    a = np.tril(rng.uniform(-0.5, 0.5, size=(3, 2, size, size)), -1)
+    want = np.linalg.inv(np.eye(size) + a)
+    got = np.asarray(delta_rule.unit_lower_inverse(jax.numpy.asarray(a, np.float32)))
+    np.testing.assert_allclose(got, want, atol=1e-5 * max(1.0, np.abs(want).max()))
+
+
+def test_chunked_calls_no_lapack():
+    """The chunked rule is matmuls only: LAPACK's batched triangular solve, called from inside an
+    XLA:CPU program, deadlocks jaxlib 0.10.2 once its batch is split over the thread pool (the
+    hybrid's training step hung in its first step)."""
+    q, k, v, g, beta, state = inputs(16)
+    text = jax.jit(lambda *x: delta_rule.chunked(*x, chunk=8)).lower(
+        q, k, v, g, beta, state).as_text()
+    assert "custom_call" not in text, "a custom call (LAPACK?) in the delta rule's program"
+
+
 def test_state_carried_across_calls_equals_one_call():
     """Two calls of 10 and 11 tokens at chunk 4 (the first call ends inside a chunk, and inside a
     block of 4 were the chunk one), the second starting from the first's state."""

@@ -85,6 +85,37 @@ def recurrent(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
     return jnp.moveaxis(o, 0, 1), state  # o: [T, B, Hv, Dv] -> [B, T, Hv, Dv]
 
 
+def unit_lower_inverse(a: jax.Array) -> jax.Array:
+    """(I + A)^-1 for strictly lower-triangular A [..., C, C], by matmuls only.
+
+    Recursive blocked inversion, bottom-up: the inverses of the diagonal blocks of size s give
+    those of size 2s through [[X, 0], [L, Y]]^-1 = [[X^-1, 0], [-Y^-1 L X^-1, Y^-1]], log2(C)
+    levels of batched matmuls (C padded to a power of two with identity rows). Not
+    `lax.linalg.triangular_solve`: on CPU that is LAPACK's batched trsm, which deadlocks in
+    jaxlib 0.10.2 once the batch is large enough to be split over the intra-op thread pool
+    from inside an XLA program (docs/architecture.md, "API surprises")."""
+    c = a.shape[-1]
+    size = 1 << max(c - 1, 0).bit_length()  # the next power of two >= C
+    lead = a.shape[:-2]
+    m = jnp.pad(a, [(0, 0)] * len(lead) + [(0, size - c)] * 2)  # padding: identity rows
+    inv = jnp.ones(lead + (size, 1, 1), a.dtype)  # [..., nb, s, s]: the diagonal blocks' inverses
+    s = 1
+    while s < size:
+        nb = size // (2 * s)
+        # the lower-left s x s block of each diagonal 2s block of I + A
+        blocks = m.reshape(lead + (nb, 2 * s, nb, 2 * s))
+        blocks = jnp.moveaxis(jnp.diagonal(blocks, axis1=-4, axis2=-2), -1, -3)  # [..., nb, 2s, 2s]
+        lower = blocks[..., s:, :s]
+        pairs = inv.reshape(lead + (nb, 2, s, s))
+        top, bottom = pairs[..., 0, :, :], pairs[..., 1, :, :]
+        corner = -bottom @ lower @ top
+        zeros = jnp.zeros_like(corner)
+        inv = jnp.concatenate([jnp.concatenate([top, zeros], -1),
+                               jnp.concatenate([corner, bottom], -1)], -2)
+        s *= 2
+    return inv.reshape(lead + (size, size))[..., :c, :c]
+
+
 def chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
             state: jax.Array, chunk: int,
             restart: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
@@ -113,8 +144,8 @@ def chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Ar
     # The chunk's writes in one unit lower-triangular system (I + A) u = beta v: A[i, j] (j < i)
     # is how much of token j's write token i's delta subtracts again.
     a = jnp.einsum("bhnid,bhnjd->bhnij", k_beta, k) * decay * (j < i)
-    solve = lambda rhs: jax.lax.linalg.triangular_solve(  # noqa: E731
-        a, rhs, left_side=True, lower=True, unit_diagonal=True)
+    inverse = unit_lower_inverse(a)  # [B, H, N, C, C]: (I + A)^-1
+    solve = lambda rhs: jnp.einsum("bhnij,bhnjd->bhnid", inverse, rhs)  # noqa: E731
     u = solve(v * beta[..., None])  # [B, H, N, C, Dv]: the writes with the state left out
     w = solve(k_beta * jnp.exp(gamma)[..., None])  # [B, H, N, C, Dk]: what each reads of it
     scores = jnp.einsum("bhnid,bhnjd->bhnij", q, k) * decay  # inside the chunk, diagonal included
