@@ -132,6 +132,9 @@ def model_config(hf: dict, family: str, name: str, dtype: str, mask_token_id: in
     partial = hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
     if "num_experts" not in hf and "num_local_experts" in hf:
         hf = {**hf, "num_experts": hf["num_local_experts"]}
+    if family == "qwen3_next" and "intermediate_size" not in hf:
+        # Qwen3.5-MoE states no dense MLP width: every layer is MoE (checked below)
+        hf = {**hf, "intermediate_size": need("moe_intermediate_size")}
     d, heads = need("hidden_size"), need("num_attention_heads")
     common = dict(
         name=name, vocab_size=need("vocab_size"), hidden_size=d,

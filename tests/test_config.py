@@ -26,6 +26,27 @@ def test_real_shape_presets_have_the_published_sizes():
     assert 29e9 < moe.num_params() < 32e9 and 2.8e9 < moe.active_params_per_token() < 3.6e9
 
 
+def test_qwen3_5_35b_a3b_preset_is_the_transformers_model():
+    """The hybrid preset (issue 17) is what convert makes of transformers' Qwen3.5-MoE text config
+    (its docs: the 35B-A3B shape; it states no dense MLP width) and counts exactly the parameters
+    of transformers' own model built from it (on the meta device: no memory)."""
+    import torch
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    from mbd_jax import convert
+
+    preset = load_model_config(MODEL_PRESET_DIR / "qwen3.5-35b-a3b.yaml")
+    hf = Qwen3_5MoeTextConfig().to_dict()
+    assert "intermediate_size" not in hf
+    made = convert.model_config(hf, "qwen3_next", preset.name, "bfloat16", preset.mask_token_id,
+                                list(preset.eos_token_ids), 32, "bidirectional")
+    assert dataclasses.replace(made, init="none") == preset
+    with torch.device("meta"):
+        model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig())
+    assert preset.num_params() == sum(p.numel() for p in model.parameters())
+    assert abs(preset.num_params() / 35e9 - 1) < 0.01  # "35B total"
+    assert 3.0e9 < preset.active_params_per_token() < 3.5e9  # "A3B": 3.45B with embedding and head
+
+
 def test_cross_field_errors_name_the_fields(cfg):
     d = dataclasses.asdict(cfg)
     d["eos_token_ids"] = list(d["eos_token_ids"])
