@@ -42,7 +42,7 @@ def step_flops(cfg: ModelConfig, batch: int, window: int, context: float) -> flo
     per_token = 2 * (cfg.active_params_per_token() - cfg.vocab_size * cfg.hidden_size)
     if cfg.tie_word_embeddings:  # the head reuses the embedding table
         per_token += 2 * cfg.vocab_size * cfg.hidden_size
-    linear = sum(cfg.layer_type(i) == "linear_attention" for i in range(cfg.num_layers))
+    linear = cfg.count_layers("linear_attention")
     attn = 4 * context * cfg.num_heads * cfg.head_dim * (cfg.num_layers - linear)
     if linear:
         sm = cfg.sequence_module

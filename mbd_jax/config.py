@@ -362,6 +362,10 @@ class ModelConfig:
         """What mixes tokens in `layer` (LayerType)."""
         return "full_attention" if self.sequence_module is None else self.sequence_module.layer_types[layer]
 
+    def count_layers(self, layer_type: LayerType) -> int:
+        """How many layers mix tokens with `layer_type`."""
+        return sum(self.layer_type(i) == layer_type for i in range(self.num_layers))
+
     def layer_kind(self, layer: int) -> tuple[str, bool]:
         """What makes two layers identical (one scanned run): the token mixer and the MLP kind."""
         return self.layer_type(layer), self.is_moe_layer(layer)

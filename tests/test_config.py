@@ -40,6 +40,7 @@ def test_qwen3_5_35b_a3b_preset_is_the_transformers_model():
     made = convert.model_config(hf, "qwen3_next", preset.name, "bfloat16", preset.mask_token_id,
                                 list(preset.eos_token_ids), 32, "bidirectional")
     assert dataclasses.replace(made, init="none") == preset
+    assert (preset.count_layers("full_attention"), preset.count_layers("linear_attention")) == (10, 30)
     with torch.device("meta"):
         model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig())
     assert preset.num_params() == sum(p.numel() for p in model.parameters())

@@ -77,8 +77,7 @@ def main() -> int:
             prefill_s = time.perf_counter() - t
             # Block-causal attention over the prompt: each query sees about half of it; QK^T and
             # PV are 2 FLOPs per multiply-add each, per attention layer and query head.
-            attention_layers = sum(cfg.layer_type(i) == "full_attention"
-                                   for i in range(cfg.num_layers))
+            attention_layers = cfg.count_layers("full_attention")
             attn_flop = attention_layers * cfg.num_heads * cfg.head_dim * 4 * p * p / 2
             prefill_flop = step_flops(cfg, 1, p, p / 2)  # the weights' FLOPs and attention's
             row = {"context": p, "rows": n_rows, "prefill_chunk": chunk, "attention_chunk": att,
