@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+from mbd_jax import chat
 from mbd_jax.checkpoint import load_model
 from mbd_jax.config import (ConfigError, DecodeConfig, SequenceModule, config_dict, from_dict,
                             load_model_config)
@@ -276,5 +277,14 @@ def test_the_service_serves_a_hybrid_like_offline_generate(tmp_path):
                 "decoding": {"voting": {"extractor": "regex", "pattern": r"(\w+)"}}})
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["voting"]["final_answer"] is not None
+            messages = [{"role": "user", "content": prompts[0]}]  # thinking: its own template
+            r = http.post("/v1/chat/completions",
+                          json={"messages": messages, "thinking": True, "max_tokens": 16})
+            assert r.status_code == 200, r.text
+            (think,) = engine.generate([m.tokenizer.encode(chat.render(messages, thinking=True))],
+                                       DecodeConfig(buffer_size=2, max_new_tokens=16))
+            message = r.json()["choices"][0]["message"]
+            assert (message["reasoning_content"], message["content"]) == \
+                chat.split_reasoning(think.text)
     finally:
         srv.stop()
