@@ -19,6 +19,10 @@ DEFAULT_MODEL = "tiny-mbd"  # trained on the task suite, shipped in models/
 
 
 def _add_decode_flags(p: argparse.ArgumentParser, buffer_size_list: bool = False) -> None:
+    import typing
+
+    from mbd_jax.config import SamplingMode, UnmaskPolicy, VoteExtractor, VoteWeighting
+
     g = p.add_argument_group("decoding (see DecodeConfig)")
     g.add_argument("--max-new-tokens", type=int, help="tokens to generate at most (default 128)")
     g.add_argument("--threshold", "--accept-threshold", dest="accept_threshold", type=float,
@@ -32,17 +36,17 @@ def _add_decode_flags(p: argparse.ArgumentParser, buffer_size_list: bool = False
     g.add_argument("--add-block-threshold", type=float, help="tau_add (default 0.1)")
     g.add_argument("--semi-complete-threshold", type=float, help="tau_semi (default 0.9)")
     g.add_argument("--token-stability-threshold", type=float, help="tau_stable (default 0)")
-    g.add_argument("--policy", choices=["threshold", "fixed_steps", "factor"], help="unmask rule")
+    g.add_argument("--policy", choices=typing.get_args(UnmaskPolicy), help="unmask rule")
     g.add_argument("--steps-per-block", type=int, help="fixed_steps: steps per block")
     g.add_argument("--factor", type=float, help="factor policy (Fast-dLLM): f (default 1)")
-    g.add_argument("--sampling-mode", choices=["naive", "edit"],
+    g.add_argument("--sampling-mode", choices=typing.get_args(SamplingMode),
                    help="edit: also rewrite filled tokens the model changes its mind on")
     g.add_argument("--edit-threshold", type=float, help="edit: rewrite above this confidence")
     g.add_argument("--max-post-edit-steps", type=int, help="edit: extra steps before a block is final")
-    g.add_argument("--vote", choices=["fixed", "linear", "exp"],
+    g.add_argument("--vote", choices=typing.get_args(VoteWeighting),
                    help="temporal self-consistency voting with this step weighting")
     g.add_argument("--vote-alpha", type=float, help="exp weighting alpha (default 5)")
-    g.add_argument("--vote-extractor", choices=["last_number", "boxed", "regex"],
+    g.add_argument("--vote-extractor", choices=typing.get_args(VoteExtractor),
                    help="how an answer is parsed (default last_number)")
     g.add_argument("--vote-pattern", help="regex extractor: answer = group 1")
     g.add_argument("--temperature", type=float, help="0 = greedy (default)")
@@ -293,13 +297,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     mesh = multihost.mesh_from_args(args)
     model = load_model(args.model, mesh=mesh, runtime=_runtime(args))
     report = evaluate(model, args.task, decode, limit=args.limit, batch_size=args.batch_size,
-                      progress=not args.no_progress and multihost.is_leader(), mesh=mesh)
+                      progress=not args.no_progress and multihost.is_leader(), mesh=mesh,
+                      fmt=args.format)
     if not multihost.is_leader():
         return 0
     if args.json:
         print(json.dumps(report.to_json()))
     else:
-        print(f"{report.model} {report.task} n={report.n} accuracy={report.accuracy:.3f} "
+        print(f"{report.model} {report.task} ({report.format}) n={report.n} "
+              f"accuracy={report.accuracy:.3f} "
               f"tpf={report.tpf:.2f} tokens/s={report.tokens_per_s:.1f}")
     return 0
 
@@ -396,7 +402,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="exact-match accuracy, TPF and tokens/s on a held-out task split")
     e.add_argument("--model", default=DEFAULT_MODEL, help="preset name, YAML file or model dir")
-    e.add_argument("--task", default="all", help="arith, sort, reverse, recall, a comma list, or all")
+    from mbd_jax.train import tasks
+
+    e.add_argument("--task", default="all",
+                   help=f"{', '.join(tasks.TASKS)}, a comma list, or all (default: all)")
+    e.add_argument("--format", default="chat", choices=tasks.FORMATS,
+                   help="how each question reaches the model: a chat turn, after a system line, "
+                        "after an earlier turn, or raw text with no template (default: chat)")
     e.add_argument("--limit", type=int, default=100, help="held-out examples per task")
     e.add_argument("--batch-size", type=int, default=16, help="rows decoded together")
     e.add_argument("--json", action="store_true", help="one JSON object")

@@ -70,6 +70,10 @@ LayerType = Literal["full_attention", "linear_attention"]
 # How a linear-attention layer reads inside a block (model/delta_rule.py, docs/architecture.md).
 BlockMode = Literal["causal", "bidirectional"]
 RopeType = Literal["linear", "yarn", "llama3"]  # static rope scalings (model/rope.py)
+UnmaskPolicy = Literal["threshold", "fixed_steps", "factor"]  # decoding/policy.py
+SamplingMode = Literal["naive", "edit"]
+VoteWeighting = Literal["fixed", "linear", "exp"]  # decoding/voting.py
+VoteExtractor = Literal["last_number", "boxed", "regex"]
 
 
 def _type_ok(value: Any, tp: Any) -> bool:
@@ -518,9 +522,9 @@ class VotingConfig:
     """Temporal self-consistency voting (arXiv 2508.09138): parse an answer from the full prediction
     at every decode step and return the weighted majority beside the final text."""
 
-    weighting: Literal["fixed", "linear", "exp"] = "exp"  # f(t): 1, (t+1)/T, exp(alpha*t/T)
+    weighting: VoteWeighting = "exp"  # f(t): 1, (t+1)/T, exp(alpha*t/T)
     alpha: float = 5.0
-    extractor: Literal["last_number", "boxed", "regex"] = "last_number"
+    extractor: VoteExtractor = "last_number"
     pattern: str | None = None  # regex extractor: the answer is group 1 (or the whole match)
 
     def validate(self, where: str = "voting") -> None:
@@ -543,10 +547,10 @@ class DecodeConfig:
     add_block_threshold: float = 0.1  # tau_add: activate the next block once the last is this full
     semi_complete_threshold: float = 0.9  # tau_semi: a block's top-1 fallback needs this much of its predecessor
     token_stability_threshold: float = 0.0  # tau_stable: share of the last block the model keeps
-    policy: Literal["threshold", "fixed_steps", "factor"] = "threshold"
+    policy: UnmaskPolicy = "threshold"
     steps_per_block: int = 8  # fixed_steps: block_size / steps_per_block tokens per step
     factor: float = 1.0  # factor (Fast-dLLM): accept the n most confident with (m+1)(1-c_m) <= factor
-    sampling_mode: Literal["naive", "edit"] = "naive"
+    sampling_mode: SamplingMode = "naive"
     edit_threshold: float = 0.5  # edit: rewrite a filled token when another is this confident
     max_post_edit_steps: int = 16  # edit: a block is final after block_size + this many steps
     temperature: float = 0.0  # 0 = greedy

@@ -33,6 +33,7 @@ class EvalReport:
     seconds: float
     buffer_size: int
     accept_threshold: float
+    format: str  # how the questions reached the model (tasks.FORMATS)
     wrong: list[dict[str, str]]  # a few failures, for reading
 
     def to_json(self) -> dict[str, Any]:
@@ -50,16 +51,17 @@ def task_names(task: str, limit: int) -> list[str]:
 
 def evaluate(model: LoadedModel, task: str, decode: DecodeConfig, *, limit: int = 100,
              batch_size: int = 16, seed: int = 1234, progress: bool = False,
-             engine: Engine | None = None, mesh=None) -> EvalReport:
+             engine: Engine | None = None, mesh=None, fmt: str = "chat") -> EvalReport:
     """Decodes the first `limit` held-out examples of each task in `task` (a name, a comma-separated
-    list, or `all`); `engine` may be reused across calls (compiled for >= decode.buffer_size), or
-    is built on `mesh`."""
+    list, or `all`), each question in format `fmt` (tasks.FORMATS: a chat turn, after a system
+    line, after an earlier turn, or raw text); `engine` may be reused across calls (compiled for
+    >= decode.buffer_size), or is built on `mesh`."""
     from tqdm import tqdm
 
     names = task_names(task, limit)
     if model.tokenizer is None:
         raise UserError(f"--model {model.path}: eval needs a model with a tokenizer")
-    examples = [ex for name in names for ex in tasks.heldout(name, limit, seed)]
+    examples = [ex for name in names for ex in tasks.heldout(name, limit, seed, fmt)]
     prompts = [model.tokenizer.encode(ex.prompt) for ex in examples]
     if engine is None:
         engine = Engine(model.cfg, model.params, batch_size=batch_size,
@@ -88,4 +90,4 @@ def evaluate(model: LoadedModel, task: str, decode: DecodeConfig, *, limit: int 
                       accuracy=correct / len(examples), tpf=tokens / max(nfe, 1),
                       tokens_per_s=tokens / seconds, tokens=tokens, nfe=nfe,
                       seconds=round(seconds, 3), buffer_size=decode.buffer_size,
-                      accept_threshold=decode.accept_threshold, wrong=wrong)
+                      accept_threshold=decode.accept_threshold, format=fmt, wrong=wrong)

@@ -71,6 +71,7 @@ def test_compile_cache_setting():
     (["bench", "decode", "--buffer-size", "1,two"], "integers like 1,2,4"),
     (["eval", "--task", "poetry"], "unknown task(s) poetry; allowed: arith, sort, reverse, recall"),
     (["eval", "--limit", "0"], "--limit must be >= 1"),
+    (["eval", "--format", "poem"], "--format: invalid choice: 'poem' (choose from 'chat', 'system'"),
     (["eval", "--buffer-size", "0"], "'buffer_size' must be in [1, 1024]"),
     (["train", "--config", "no/such.yaml"], "cannot read config file no/such.yaml"),
     (["bench", "decode", "--max-new-tokens", "5"], "--max-new-tokens is not used here"),

@@ -1,12 +1,15 @@
 """The shape of the MBD paper's Table 1 on the shipped tiny models, in one run on the same prompts.
 
     python tools/table1.py [--limit 50] [--thresholds 0.5,0.7,0.8,0.9,0.95,0.99] [--plot docs/table1.png]
+                           [--bd tiny-bd] [--mbd tiny-mbd]
 
-Rows: SingleBD (tiny-bd, N_buf 1), training-free MultiBD (tiny-bd, N_buf 2), MBD (tiny-mbd,
-N_buf 2), and tiny-mbd with SingleBD for reference. Columns: accuracy, TPF, tokens/s on the pooled
-held-out split of every task (`limit` prompts per task). The main table uses accept threshold 0.95;
-every threshold in --thresholds gives one point of the accuracy-vs-TPF plot. Prints JSON (stdout)
-and a table (stderr).
+Rows: SingleBD (the BD model, N_buf 1), training-free MultiBD (the BD model, N_buf 2), MBD (the
+MultiTF model, N_buf 2), MBD with the edit sampling mode and with the factor policy, and the
+MultiTF model with SingleBD for reference. Columns: accuracy, TPF, tokens/s per task and pooled
+over every task's held-out split (`limit` prompts per task, the chat format). The main table
+uses accept threshold 0.95; every threshold in --thresholds gives one point of the
+accuracy-vs-TPF plot (rows with the threshold policy). --bd / --mbd take any model (a run's
+output directory before it ships). Prints JSON (stdout) and tables (stderr).
 """
 
 from __future__ import annotations
@@ -19,12 +22,24 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-ROWS = [  # (label, model, N_buf)
-    ("SingleBD", "tiny-bd", 1),
-    ("training-free MultiBD", "tiny-bd", 2),
-    ("MBD (MultiTF)", "tiny-mbd", 2),
-    ("tiny-mbd SingleBD", "tiny-mbd", 1),
+ROWS = [  # (label, which model, N_buf, decode settings beyond the threshold policy's)
+    ("SingleBD", "bd", 1, {}),
+    ("training-free MultiBD", "bd", 2, {}),
+    ("MBD (MultiTF + MultiBD)", "mbd", 2, {}),
+    ("MBD, edit mode", "mbd", 2, {"sampling_mode": "edit"}),
+    ("MBD, factor policy", "mbd", 2, {"policy": "factor", "factor": 1.0}),
+    ("MultiTF model, SingleBD", "mbd", 1, {}),
 ]
+
+
+def pooled(reports: list) -> dict:
+    """Every task's report pooled: accuracy over all prompts, TPF and tokens/s over all tokens."""
+    n = sum(r.n for r in reports)
+    correct = sum(round(r.accuracy * r.n) for r in reports)
+    tokens, nfe = sum(r.tokens for r in reports), sum(r.nfe for r in reports)
+    seconds = sum(r.seconds for r in reports)
+    return {"n": n, "accuracy": correct / n, "tpf": tokens / max(nfe, 1),
+            "tokens_per_s": tokens / seconds, "tokens": tokens, "nfe": nfe}
 
 
 def main() -> None:
@@ -32,6 +47,7 @@ def main() -> None:
     from mbd_jax.config import decode_config
     from mbd_jax.engine import Engine
     from mbd_jax.evaluate import evaluate
+    from mbd_jax.train import tasks
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limit", type=int, default=50, help="held-out prompts per task")
@@ -39,7 +55,10 @@ def main() -> None:
     ap.add_argument("--main-threshold", type=float, default=0.95)
     ap.add_argument("--add-block-threshold", type=float, default=0.1)
     ap.add_argument("--semi-complete-threshold", type=float, default=0.25)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--bd", default="tiny-bd", help="the block-diffusion (SingleBD) model")
+    ap.add_argument("--mbd", default="tiny-mbd", help="the MultiTF post-trained model")
     ap.add_argument("--plot", help="write the accuracy-vs-TPF plot here (PNG)")
     args = ap.parse_args()
     if args.plot:  # say so before the run, not after it
@@ -49,36 +68,49 @@ def main() -> None:
             ap.error("--plot needs matplotlib: pip install -e '.[bench]'")
     thresholds = sorted({float(t) for t in args.thresholds.split(",")} | {args.main_threshold})
 
-    models = {name: load_model(name) for name in {m for _, m, _ in ROWS}}
+    models = {"bd": load_model(args.bd), "mbd": load_model(args.mbd)}
+    names = list(tasks.TASKS)
     out = []
-    for label, name, n_buf in ROWS:
-        model = models[name]
+    for label, which, n_buf, extra in ROWS:
+        model = models[which]
         engine = Engine(model.cfg, model.params, batch_size=args.batch_size, buffer_size=n_buf,
                         tokenizer=model.tokenizer)
         engine.warmup()
-        for tau in thresholds:
+        sweep = thresholds if extra.get("policy", "threshold") == "threshold" else [
+            args.main_threshold]
+        for tau in sweep:
             decode = decode_config(buffer_size=n_buf, accept_threshold=tau,
                                    add_block_threshold=args.add_block_threshold,
                                    semi_complete_threshold=args.semi_complete_threshold,
-                                   max_new_tokens=32)
-            r = evaluate(model, "all", decode, limit=args.limit, engine=engine)
-            out.append({"row": label, "model": name, "buffer_size": n_buf, "accept_threshold": tau,
-                        "accuracy": r.accuracy, "tpf": r.tpf, "tokens_per_s": r.tokens_per_s,
-                        "n": r.n})
-            print(f"{label:24s} tau={tau:.2f} acc={r.accuracy:.3f} tpf={r.tpf:.2f} "
-                  f"tok/s={r.tokens_per_s:.0f}", file=sys.stderr, flush=True)
+                                   max_new_tokens=args.max_new_tokens, **extra)
+            reports = [evaluate(model, name, decode, limit=args.limit, engine=engine)
+                       for name in names]
+            row = {"row": label, "model": str(model.path.parent), "buffer_size": n_buf,
+                   "accept_threshold": tau, **extra, **pooled(reports),
+                   "tasks": {r.task: {"accuracy": r.accuracy, "tpf": r.tpf,
+                                      "tokens_per_s": r.tokens_per_s} for r in reports}}
+            out.append(row)
+            print(f"{label:26s} tau={tau:.2f} acc={row['accuracy']:.3f} tpf={row['tpf']:.2f} "
+                  f"tok/s={row['tokens_per_s']:.0f}", file=sys.stderr, flush=True)
     main_rows = [o for o in out if o["accept_threshold"] == args.main_threshold]
     base = main_rows[0]
     print(f"\naccept threshold {args.main_threshold}, {base['n']} prompts "
           f"({args.limit} per task)\n", file=sys.stderr)
-    print("| row | model | N_buf | accuracy | TPF | tokens/s | TPF / SingleBD | tokens/s / SingleBD |\n"
-          "|---|---|---|---|---|---|---|---|", file=sys.stderr)
+    print("| row | N_buf | accuracy | TPF | tokens/s | TPF / SingleBD | tokens/s / SingleBD |\n"
+          "|---|---|---|---|---|---|---|", file=sys.stderr)
     for o in main_rows:
-        print(f"| {o['row']} | {o['model']} | {o['buffer_size']} | {100 * o['accuracy']:.1f} | "
-              f"{o['tpf']:.2f} | {o['tokens_per_s']:.0f} | {o['tpf'] / base['tpf']:.2f}x | "
+        print(f"| {o['row']} | {o['buffer_size']} | {100 * o['accuracy']:.1f} | {o['tpf']:.2f} | "
+              f"{o['tokens_per_s']:.0f} | {o['tpf'] / base['tpf']:.2f}x | "
               f"{o['tokens_per_s'] / base['tokens_per_s']:.2f}x |", file=sys.stderr)
+    print("\nper task: accuracy % / TPF\n\n| row | " + " | ".join(names) + " |\n|---|"
+          + "---|" * len(names), file=sys.stderr)
+    for o in main_rows:
+        cells = [f"{100 * o['tasks'][t]['accuracy']:.0f} / {o['tasks'][t]['tpf']:.2f}"
+                 for t in names]
+        print(f"| {o['row']} | " + " | ".join(cells) + " |", file=sys.stderr)
     print(json.dumps({"limit_per_task": args.limit, "add_block_threshold": args.add_block_threshold,
-                      "semi_complete_threshold": args.semi_complete_threshold, "results": out}))
+                      "semi_complete_threshold": args.semi_complete_threshold,
+                      "max_new_tokens": args.max_new_tokens, "results": out}))
     if args.plot:
         import matplotlib
 
@@ -86,9 +118,11 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 4))
-        for label, _, _ in ROWS:
+        for label, _, _, _ in ROWS:
             pts = [o for o in out if o["row"] == label]
-            ax.plot([p["tpf"] for p in pts], [100 * p["accuracy"] for p in pts], "o-", label=label)
+            if len(pts) > 1:
+                ax.plot([p["tpf"] for p in pts], [100 * p["accuracy"] for p in pts], "o-",
+                        label=label)
         ax.set_xlabel("tokens per forward (TPF)")
         ax.set_ylabel("exact-match accuracy (%)")
         accs = [100 * o["accuracy"] for o in out]
