@@ -281,8 +281,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     import jax
 
     mesh = multihost.mesh_from_args(args) if args.mesh or jax.process_count() > 1 else None
-    out = run_training(tcfg, progress=not args.no_progress and multihost.is_leader(), mesh=mesh,
-                       force=args.force)
+    progress = "none" if not multihost.is_leader() else "log" if args.no_progress else "bar"
+    out = run_training(tcfg, progress=progress, mesh=mesh, force=args.force)
     if multihost.is_leader():
         print(json.dumps({"model_dir": str(out)}))
     return 0
@@ -396,7 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--output", help="the model directory to write (default: the config's output, "
                                     "else runs/<name>-model)")
     t.add_argument("--force", action="store_true", help="allow replacing a shipped model (models/)")
-    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--no-progress", action="store_true",
+                   help="no progress bar: a JSON line of metrics every log_every steps (stderr)")
     multihost.add_launch_flags(t)
     t.set_defaults(func=cmd_train)
 

@@ -65,7 +65,7 @@ def test_short_run_lowers_the_loss(objective, g_max, hybrid):
             chunk_size=cfg.block_size))
         params = init_params(cfg)
     trainer = Trainer(tcfg(objective=objective, g_max=g_max), cfg, params, tok)
-    history = trainer.fit(progress=False)
+    history = trainer.fit(progress="none")
     first, last = history[0]["loss"], np.mean([h["loss"] for h in history[-5:]])
     assert last < 0.5 * first, (first, last)
     assert history[-1]["token_acc"] > history[0]["token_acc"] + 0.3
@@ -90,7 +90,7 @@ def test_resume_gives_the_same_next_step_loss(tmp_path):
     losses = [straight.train_step()["loss"] for _ in range(6)]
 
     first = Trainer(tcfg(steps=3, checkpoint_dir=str(tmp_path)), cfg, params, tok)
-    first.fit(progress=False)  # saves step 3
+    first.fit(progress="none")  # saves step 3
     resumed = Trainer(tcfg(steps=6, checkpoint_dir=str(tmp_path)), cfg, params, tok)
     assert resumed.restore() and resumed.step == 3
     again = [resumed.train_step()["loss"] for _ in range(3)]
@@ -155,6 +155,7 @@ def test_train_command_writes_a_loadable_model_under_runs_and_spares_shipped_mod
         batch_size: 4
         checkpoint_dir: {tmp_path / 'ckpt'}
         checkpoint_every: 2
+        log_every: 2
     """))
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     shipped = ["git", "status", "--porcelain", "--", "models"]
@@ -169,6 +170,8 @@ def test_train_command_writes_a_loadable_model_under_runs_and_spares_shipped_mod
                            timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         assert json.loads(r.stdout.splitlines()[-1])["model_dir"] == str(out)
+        logged = [json.loads(line) for line in r.stderr.splitlines() if line.startswith('{"')]
+        assert [m["step"] for m in logged] == [2, 3] and all(m["loss"] > 0 for m in logged)
         assert subprocess.run(shipped, capture_output=True, text=True, cwd=ROOT).stdout == clean
         model = load_model(str(out))
         manifest = json.loads((out / "manifest.json").read_text())

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import pathlib
 import shutil
+import sys
 import time
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +38,8 @@ from mbd_jax.parallel.mesh import make_mesh, param_shardings
 from mbd_jax.tokenizer import Tokenizer
 from mbd_jax.train import objective, tasks
 from mbd_jax.train.config import TrainConfig
+
+Progress = Literal["bar", "log", "none"]  # how fit shows its steps
 
 
 def encode(tokenizer: Tokenizer, ex: tasks.Example, eos: int) -> tuple[list[int], int]:
@@ -239,13 +243,15 @@ class Trainer:
         self.state, metrics = self._step(self.state, arrays)
         return {k: float(v) for k, v in metrics.items()}
 
-    def fit(self, steps: int | None = None, progress: bool = True) -> list[dict[str, float]]:
-        """Trains until step `steps` (default tcfg.steps), checkpointing every checkpoint_every."""
+    def fit(self, steps: int | None = None, progress: Progress = "bar") -> list[dict[str, float]]:
+        """Trains until step `steps` (default tcfg.steps), checkpointing every checkpoint_every;
+        `progress`: a bar, a log (one JSON line of metrics per log_every steps on stderr), or
+        nothing."""
         from tqdm import tqdm
 
         tcfg = self.tcfg
         end = tcfg.steps if steps is None else steps
-        bar = tqdm(total=end, initial=self.step, disable=not progress, unit="step",
+        bar = tqdm(total=end, initial=self.step, disable=progress != "bar", unit="step",
                    dynamic_ncols=True)
         t_last, tokens_last = time.perf_counter(), self.example_tokens
         while self.step < end:
@@ -259,6 +265,9 @@ class Trainer:
                 self.history.append(metrics)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['token_acc']:.2f}",
                                 tok_s=f"{metrics['tokens_per_s']:.0f}")
+                if progress == "log":
+                    print(json.dumps({k: round(v, 5) for k, v in metrics.items()}),
+                          file=sys.stderr, flush=True)
             if self._manager is not None and (self.step % tcfg.checkpoint_every == 0
                                               or self.step == end):
                 self.save_checkpoint()
@@ -291,7 +300,7 @@ class Trainer:
         return out
 
 
-def run_training(tcfg: TrainConfig, progress: bool = True, mesh: Mesh | None = None,
+def run_training(tcfg: TrainConfig, progress: Progress = "bar", mesh: Mesh | None = None,
                  force: bool = False) -> pathlib.Path:
     """`mbd-jax train`: load the starting model, resume if a checkpoint exists, fit, export.
     `mesh` (default: tcfg.data_parallel devices on `data`). A shipped model directory is
