@@ -91,3 +91,14 @@ def evaluate(model: LoadedModel, task: str, decode: DecodeConfig, *, limit: int 
                       tokens_per_s=tokens / seconds, tokens=tokens, nfe=nfe,
                       seconds=round(seconds, 3), buffer_size=decode.buffer_size,
                       accept_threshold=decode.accept_threshold, format=fmt, wrong=wrong)
+
+
+def pool(reports: list[EvalReport]) -> dict[str, Any]:
+    """Reports of several tasks (same model and decoding) pooled: accuracy over every prompt, TPF
+    and tokens/s over every token."""
+    n = sum(r.n for r in reports)
+    correct = sum(round(r.accuracy * r.n) for r in reports)
+    tokens, nfe = sum(r.tokens for r in reports), sum(r.nfe for r in reports)
+    seconds = sum(r.seconds for r in reports)
+    return {"n": n, "correct": correct, "accuracy": correct / n, "tpf": tokens / max(nfe, 1),
+            "tokens_per_s": tokens / seconds if seconds else 0.0, "tokens": tokens, "nfe": nfe}

@@ -32,21 +32,11 @@ ROWS = [  # (label, which model, N_buf, decode settings beyond the threshold pol
 ]
 
 
-def pooled(reports: list) -> dict:
-    """Every task's report pooled: accuracy over all prompts, TPF and tokens/s over all tokens."""
-    n = sum(r.n for r in reports)
-    correct = sum(round(r.accuracy * r.n) for r in reports)
-    tokens, nfe = sum(r.tokens for r in reports), sum(r.nfe for r in reports)
-    seconds = sum(r.seconds for r in reports)
-    return {"n": n, "accuracy": correct / n, "tpf": tokens / max(nfe, 1),
-            "tokens_per_s": tokens / seconds, "tokens": tokens, "nfe": nfe}
-
-
 def main() -> None:
     from mbd_jax.checkpoint import load_model
     from mbd_jax.config import decode_config
     from mbd_jax.engine import Engine
-    from mbd_jax.evaluate import evaluate
+    from mbd_jax.evaluate import evaluate, pool
     from mbd_jax.train import tasks
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -86,7 +76,7 @@ def main() -> None:
             reports = [evaluate(model, name, decode, limit=args.limit, engine=engine)
                        for name in names]
             row = {"row": label, "model": str(model.path.parent), "buffer_size": n_buf,
-                   "accept_threshold": tau, **extra, **pooled(reports),
+                   "accept_threshold": tau, **extra, **pool(reports),
                    "tasks": {r.task: {"accuracy": r.accuracy, "tpf": r.tpf,
                                       "tokens_per_s": r.tokens_per_s} for r in reports}}
             out.append(row)
