@@ -77,6 +77,18 @@ def test_chunked_calls_no_lapack():
     assert "custom_call" not in text, "a custom call (LAPACK?) in the delta rule's program"
 
 
+@pytest.mark.parametrize("chunk,every", [(8, 4), (8, 1), (16, 8), (4, 4)])
+def test_chunked_states_every_span(chunk, every):
+    """The state after each span of `every` tokens, read inside chunks of `chunk` (21 tokens:
+    the last span is cut short, its state is the final one)."""
+    x = inputs(21, seed=4)
+    ref_o, ref_states = numpy_reference(*x)
+    o, states = delta_rule.chunked(*x, chunk, states_every=every)
+    np.testing.assert_allclose(o, ref_o, atol=1e-5)
+    ends = [min(e, 21) - 1 for e in range(every, 21 + every, every)]
+    np.testing.assert_allclose(states, ref_states[:, ends], atol=1e-5)
+
+
 def test_state_carried_across_calls_equals_one_call():
     """Two calls of 10 and 11 tokens at chunk 4 (the first call ends inside a chunk, and inside a
     block of 4 were the chunk one), the second starting from the first's state."""
@@ -128,6 +140,15 @@ def test_block_modes():
         np.testing.assert_allclose(o[:, i], np.einsum("bhk,bhkv->bhv", qn[:, i], after), atol=1e-5)
     assert not np.allclose(o, ref_o, atol=1e-3)  # the two modes differ past block size 1
 
+    for mode in delta_rule.BLOCK_MODES:  # chunks of several blocks: the same outputs and states
+        want = delta_rule.block_outputs(*x, 4, mode)
+        for chunk in (8, 12, 16):
+            got = delta_rule.block_outputs(*x, 4, mode, chunk=chunk)
+            np.testing.assert_allclose(got[0], want[0], atol=1e-5, err_msg=f"{mode} {chunk}")
+            np.testing.assert_allclose(got[1], want[1], atol=1e-5, err_msg=f"{mode} {chunk}")
+
+    with pytest.raises(ValueError, match="a multiple of the block size 4"):
+        delta_rule.block_outputs(*x, 4, "causal", chunk=6)
     with pytest.raises(ValueError, match="whole blocks of 5"):
         delta_rule.block_outputs(*x, 5, "causal")
     with pytest.raises(ValueError, match="causal, bidirectional"):

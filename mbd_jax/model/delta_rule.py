@@ -118,12 +118,17 @@ def unit_lower_inverse(a: jax.Array) -> jax.Array:
 
 def chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
             state: jax.Array, chunk: int,
-            restart: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
+            restart: tuple[jax.Array, jax.Array] | None = None,
+            states_every: int | None = None) -> tuple[jax.Array, jax.Array]:
     """The gated delta rule `chunk` tokens at a time. Returns (o [B, T, Hv, Dv] float32, the
-    state after each chunk [B, N, Hv, Dk, Dv], N = ceil(T / chunk); the last is the final state).
-    `restart` (flags [B, N] bool, states [B, N, Hv, Dk, Dv]): a flagged chunk starts from the
-    given state instead of the one the chunks before it left (the trainer's noise groups, each
-    starting from the clean state before it)."""
+    state after each span of `states_every` tokens (default: each chunk; it must divide the
+    chunk) [B, S, Hv, Dk, Dv], S = ceil(T / states_every); the last is the final state).
+    `restart` (flags [B, N] bool, states [B, N, Hv, Dk, Dv], N = ceil(T / chunk)): a flagged
+    chunk starts from the given state instead of the one the chunks before it left (the
+    trainer's noise groups, each starting from the clean state before it)."""
+    every = states_every or chunk
+    if chunk % every:
+        raise ValueError(f"states every {every} tokens do not divide chunks of {chunk}")
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     b, h, t, dk = k.shape
     dv = v.shape[-1]
@@ -152,37 +157,62 @@ def chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Ar
     q_decayed = q * jnp.exp(gamma)[..., None]  # the state at the chunk's start, as read at i
     k_decayed = k * jnp.exp(gamma[..., -1:] - gamma)[..., None]  # a write, as at the chunk's end
     chunk_decay = jnp.exp(gamma[..., -1])[..., None, None]  # [B, H, N, 1, 1]
+    m = chunk // every  # spans per chunk
+    ends = gamma[..., every - 1::every]  # [B, H, N, M]: log decay to each span's last token
+    # A span's own writes as at its end: exp(gamma_end - gamma_j) k_j for j in the span
+    span_k = k * jnp.exp(jnp.repeat(ends, every, axis=-1) - gamma)[..., None]  # [B, H, N, C, Dk]
+    # span m's end state from the one before: S_m = exp(ends_m - ends_{m-1}) S_{m-1} + D_m
+    span_decay = jnp.exp(ends - jnp.pad(ends, [(0, 0)] * 3 + [(1, 0)])[..., :-1])
+    span_start = jnp.exp(ends)  # [B, H, N, M]: the chunk's start state, as at each span's end
 
     def step(s, x):  # s: [B, H, Dk, Dv]
-        u_c, w_c, sc_c, qd_c, kd_c, cd_c, *given = x
+        u_c, w_c, sc_c, qd_c, kd_c, cd_c, sk_c, sd_c, ss_c, *given = x
         if given:  # this chunk's restart flag [B] and state
             s = jnp.where(given[0][:, None, None, None], given[1], s)
         v_new = u_c - jnp.einsum("bhck,bhkv->bhcv", w_c, s)  # the corrections actually written
         o = jnp.einsum("bhck,bhkv->bhcv", qd_c, s) + jnp.einsum("bhij,bhjv->bhiv", sc_c, v_new)
+        if every == chunk:
+            spans = None
+        else:  # [B, H, M, Dk, Dv]: each span's writes, chained across the chunk's spans
+            writes = jnp.einsum("bhmjk,bhmjv->bhmkv", sk_c.reshape(*sk_c.shape[:2], m, every, dk),
+                                v_new.reshape(*v_new.shape[:2], m, every, dv))
+            _, chained = jax.lax.associative_scan(
+                lambda a, b: (a[0] * b[0], b[0][..., None, None] * a[1] + b[1]),
+                (sd_c, writes), axis=2)
+            spans = chained + ss_c[..., None, None] * s[:, :, None]
         s = s * cd_c + jnp.einsum("bhck,bhcv->bhkv", kd_c, v_new)
-        return s, (o, s)
+        return s, (o, s[:, :, None] if spans is None else spans)
 
-    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, scores, q_decayed, k_decayed, chunk_decay))
+    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, scores, q_decayed, k_decayed, chunk_decay,
+                                               span_k, span_decay, span_start))
     if restart is not None:
         xs += (jnp.moveaxis(restart[0], 1, 0), jnp.moveaxis(restart[1].astype(jnp.float32), 1, 0))
-    _, (o, states) = jax.lax.scan(step, state.astype(jnp.float32), xs)
+    _, (o, states) = jax.lax.scan(step, state.astype(jnp.float32), xs)  # states: [N, B, H, M, ..]
     o = jnp.moveaxis(o, 0, 2).reshape(b, h, n * chunk, dv)[:, :, :t]  # [B, H, T, Dv]
-    return jnp.swapaxes(o, 1, 2), jnp.moveaxis(states, 0, 1)
+    states = jnp.moveaxis(states, 0, 1)  # [B, N, H, M, Dk, Dv]
+    states = jnp.swapaxes(states, 2, 3).reshape(b, n * (chunk // every), h, dk, dv)
+    return jnp.swapaxes(o, 1, 2), states[:, :-(-t // every)]
 
 
 def block_outputs(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
                   state: jax.Array, block: int, mode: BlockMode,
-                  restart: tuple[jax.Array, jax.Array] | None = None
+                  restart: tuple[jax.Array, jax.Array] | None = None, chunk: int | None = None
                   ) -> tuple[jax.Array, jax.Array]:
     """A window of whole blocks (T a multiple of `block`) read from the committed `state` under
     the block mode. Returns (o [B, T, Hv, Dv] float32, the state after each block
     [B, T / block, Hv, Dk, Dv]): the caller keeps the one after the blocks it commits.
-    `restart`: blocks that start from a given state (`chunked`)."""
+    `chunk`: tokens per chunked step (a multiple of `block`; default one block); the outputs and
+    states do not depend on it. `restart`: blocks that start from a given state (`chunked`;
+    chunks of one block only)."""
+    chunk = chunk or block
     if q.shape[1] % block:
         raise ValueError(f"{q.shape[1]} tokens are not whole blocks of {block}")
     if mode not in BLOCK_MODES:
         raise ValueError(f"block mode {mode!r}: one of {', '.join(BLOCK_MODES)}")
-    o, states = chunked(q, k, v, g, beta, state, block, restart)
+    if chunk % block or (restart is not None and chunk != block):
+        raise ValueError(f"chunk {chunk}: a multiple of the block size {block} (the block size "
+                         "itself with restarts)")
+    o, states = chunked(q, k, v, g, beta, state, chunk, restart, states_every=block)
     if mode == "causal":
         return o, states
     # bidirectional: every position of block n reads the state after block n
