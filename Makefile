@@ -50,7 +50,8 @@ bench: $(VENV)/.installed
 ## about 2.5 h on 2 CPU cores for today's configs, see docs/training.md)
 models: $(VENV)/.installed
 	$(BIN)/python tools/train_tokenizer.py --tasks arith,sort,reverse,recall,sortrev --out configs/tokenizers/tasks --vocab 384
-	rm -rf runs/tiny-bd runs/tiny-mbd
+	rm -rf runs/tiny-bd-base runs/tiny-bd runs/tiny-mbd
+	$(BIN)/mbd-jax train --config configs/train/tiny-bd-base.yaml
 	$(BIN)/mbd-jax train --config configs/train/tiny-bd.yaml --output models/tiny-bd --force
 	$(BIN)/mbd-jax train --config configs/train/tiny-mbd.yaml --output models/tiny-mbd --force
 

@@ -18,7 +18,7 @@ class TrainConfig:
     output: str | None = None  # the model directory written at the end (relative paths: to the
     # repo root); default runs/<name>-model. A shipped model (models/...) is replaced only with
     # force (`mbd-jax train --force`).
-    tasks: tuple[str, ...] = ("arith", "sort", "reverse", "recall")
+    tasks: tuple[str, ...] = ("arith", "sort", "reverse", "recall")  # in turn: k times = k shares
     # Objective: block diffusion is MultiTF with groups of one block (g_max 1).
     objective: Literal["bd", "multitf"] = "bd"
     g_max: int = 1  # multitf: largest noise group (= the N_buf it prepares for)

@@ -313,7 +313,8 @@ def run_training(tcfg: TrainConfig, progress: Progress = "bar", mesh: Mesh | Non
                         "--output another directory (default: runs/<name>-model)")
 
     mesh = mesh or data_mesh(tcfg.data_parallel)
-    model = load_model(tcfg.model, mesh=mesh)
+    source = tcfg.path(tcfg.model)  # a run's output named from the repo root, else a name
+    model = load_model(str(source) if source.exists() else tcfg.model, mesh=mesh)
     if model.tokenizer is None:
         raise UserError(f"model {tcfg.model}: training needs a tokenizer in its config")
     cfg = dataclasses.replace(model.cfg, tokenizer=str((model.path.parent / model.cfg.tokenizer)
