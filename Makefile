@@ -47,7 +47,7 @@ bench: $(VENV)/.installed
 	$(BIN)/mbd-jax bench decode --buffer-size 1,2,4 --json
 
 ## make models: retrain the shipped tokenizer, tiny-bd and tiny-mbd from scratch (fixed seeds;
-## about 2.5 h on 2 CPU cores for today's configs, see docs/training.md)
+## about 1 h 45 min on 2 CPU cores, see docs/training.md)
 models: $(VENV)/.installed
 	$(BIN)/python tools/train_tokenizer.py --tasks arith,sort,reverse,recall,sortrev --out configs/tokenizers/tasks --vocab 384
 	rm -rf runs/tiny-bd-base runs/tiny-bd runs/tiny-mbd

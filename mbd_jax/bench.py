@@ -80,7 +80,8 @@ def bench_decode(cfg: ModelConfig, params: Any, *, batch: int, prompt_len: int, 
             progress(f"variant {i + 1}/{len(variants)}: moe_impl {impl}, layer loop {loop}, "
                      f"N_buf {n_buf} (compile, then {repeats} timed runs)")
         cfg = dataclasses.replace(base_cfg, moe_impl=impl, layer_loop=loop)
-        d = dataclasses.replace(decode, buffer_size=n_buf, max_new_tokens=new_tokens)
+        d = dataclasses.replace(decode, buffer_size=n_buf, max_new_tokens=new_tokens,
+                                ignore_eos=True)  # every row decodes new_tokens
         variant_params = layout.relayout(params, base_cfg, cfg)
         c0, s0 = compile_stats.compiles(), compile_stats.compile_seconds()
         t0 = time.perf_counter()

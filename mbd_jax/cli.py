@@ -55,6 +55,8 @@ def _add_decode_flags(p: argparse.ArgumentParser, buffer_size_list: bool = False
                                              "no limit)")
     g.add_argument("--seed", type=int, help="sampling seed (default 0)")
     g.add_argument("--max-nfe", type=int, help="decode forwards per request at most (default 1024)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="decode all --max-new-tokens past EOS (fixed work per row)")
 
 
 def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
@@ -117,7 +119,8 @@ def _decode_config(args: argparse.Namespace):
         token_stability_threshold=args.token_stability_threshold,
         steps_per_block=args.steps_per_block, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p,
-        seed=args.seed, max_new_tokens=args.max_new_tokens, max_nfe=args.max_nfe)
+        seed=args.seed, max_new_tokens=args.max_new_tokens, max_nfe=args.max_nfe,
+        ignore_eos=args.ignore_eos or None)
     model_defaults = model_generation_settings(getattr(args, "model", None)).get("decoding", {})
     return decode_config(**{**model_defaults, **{k: v for k, v in flags.items() if v is not None}})
 

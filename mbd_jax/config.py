@@ -558,6 +558,7 @@ class DecodeConfig:
     top_p: float = 1.0
     seed: int = 0
     max_new_tokens: int = 128
+    ignore_eos: bool = False  # decode all max_new_tokens past EOS (benchmarks: fixed work per row)
     max_nfe: int = 1024  # decode forwards per request
     voting: VotingConfig | None = None
 

@@ -1,82 +1,176 @@
 """The trained models shipped in models/: they load (checksums verified), tiny-mbd is the default,
-it reaches an accuracy floor on the held-out split, and MultiBD raises its tokens per forward.
+SingleBD reaches a floor on every task's held-out prompts, MBD keeps that accuracy at a higher
+TPF, every way a question reaches the service works (chat, a system line, a second turn, raw
+text), and the README's demos answer what the README shows.
 
-The floors come from the measurement in docs/performance.md (Table 1), rounded down with margin.
+The floors come from Table 1 (docs/performance.md: the same 20 prompts per task), rounded down
+with margin. Issue 18 asks for 95% on every task: arith and recall are not there yet.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
 import pytest
 
+from mbd_jax import chat
 from mbd_jax.checkpoint import load_model
 from mbd_jax.cli import DEFAULT_MODEL
-from mbd_jax.config import ServeConfig, decode_config
+from mbd_jax.config import ServeConfig, decode_config, load_serve_config
 from mbd_jax.engine import Engine
-from mbd_jax.evaluate import evaluate
+from mbd_jax.evaluate import evaluate, pool
 from mbd_jax.train import tasks
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-LIMIT = 25  # held-out prompts per task (100 in all)
-# tiny-mbd, SingleBD, accept threshold 0.95, on the tasks it was trained on: measured 0.68 on the
-# task distribution it was trained on, 0.53 on today's (sort / reverse lists up to 10 long, recall
-# of one or two keys), which the next shipped model (issue 18) trains on
-ACCURACY_FLOOR = 0.45
-TPF_GAIN_FLOOR = 1.35  # tiny-mbd: TPF(N_buf 2) / TPF(N_buf 1) (measured 1.52)
+LIMIT = 20  # held-out prompts per task in the chat format (100 in all)
+FORMAT_LIMIT = 8  # per task, for each other format
+# SingleBD (tiny-bd, N_buf 1) per task; measured arith 40, sort 95, reverse 100, recall 50, sortrev 95
+ACCURACY_FLOORS = {"arith": 0.3, "sort": 0.85, "reverse": 0.9, "recall": 0.4, "sortrev": 0.85}
+# the default model (MBD), pooled over the tasks; measured at 20 per task: system 71, multiturn 64,
+# raw 16 (raw text is its weak spot: docs/training.md)
+FORMAT_FLOORS = {"system": 0.55, "multiturn": 0.45, "raw": 0.05}
+TPF_GAIN_FLOOR = 1.35  # MBD (tiny-mbd, N_buf 2) over SingleBD, pooled (measured 1.45)
+
+
+def table1_decode(n_buf: int):
+    """tools/table1.py's main setting (accept threshold 0.95)."""
+    return decode_config(buffer_size=n_buf, accept_threshold=0.95, add_block_threshold=0.1,
+                         semi_complete_threshold=0.25, max_new_tokens=48)
 
 
 @pytest.fixture(scope="module")
-def tiny_mbd():
-    return load_model("tiny-mbd")
+def engines():
+    """{"single": tiny-bd with SingleBD, "mbd": tiny-mbd with N_buf 2}: (model, engine)."""
+    out = {}
+    for key, name, n_buf in (("single", "tiny-bd", 1), ("mbd", "tiny-mbd", 2)):
+        model = load_model(name)
+        out[key] = model, Engine(model.cfg, model.params, batch_size=16, buffer_size=n_buf,
+                                 tokenizer=model.tokenizer)
+    return out
 
 
-def test_tiny_mbd_is_the_default_everywhere(tiny_mbd):
+def answer(engines, messages: list[dict] | str) -> str:
+    """The default model's reply to a chat (messages) or to raw text, with the service's default
+    decoding (configs/serve.yaml)."""
+    model, engine = engines["mbd"]
+    template = chat.for_model(model.path.parent, model.cfg.chat_template)
+    text = messages if isinstance(messages, str) else template.render(messages)
+    decode = load_serve_config(ROOT / "configs" / "serve.yaml").decoding
+    (r,) = engine.generate([model.tokenizer.encode(text)],
+                           dataclasses.replace(decode, max_new_tokens=48))
+    return r.text.strip()
+
+
+def test_tiny_mbd_is_the_default_everywhere(engines):
+    model, _ = engines["mbd"]
     assert DEFAULT_MODEL == "tiny-mbd" and ServeConfig().model == "tiny-mbd"
-    assert tiny_mbd.path == ROOT / "models" / "tiny-mbd" / "config.yaml"
+    assert model.path == ROOT / "models" / "tiny-mbd" / "config.yaml"
     manifest = json.loads((ROOT / "models" / "tiny-mbd" / "manifest.json").read_text())
     assert manifest["train_config"]["objective"] == "multitf"
     assert manifest["train_config"]["model"] == "tiny-bd"
+    assert model.cfg.block_size >= 8  # answers span several blocks: MultiBD has room
     sizes = sum(p.stat().st_size for d in ("tiny-bd", "tiny-mbd")
                 for p in (ROOT / "models" / d).rglob("*") if p.is_file())
     assert sizes < 40 * 2**20
 
 
-def test_tiny_mbd_accuracy_floor_and_multibd_gain(tiny_mbd):
-    manifest = json.loads((ROOT / "models" / "tiny-mbd" / "manifest.json").read_text())
-    trained = manifest["train_config"]["tasks"]  # the tasks it was trained on
+def test_every_task_single_bd_floor_and_mbd_keeps_it_at_a_higher_tpf(engines):
     reports = {}
-    for n_buf in (1, 2):
-        engine = Engine(tiny_mbd.cfg, tiny_mbd.params, batch_size=16, buffer_size=n_buf,
-                        tokenizer=tiny_mbd.tokenizer)
-        decode = decode_config(buffer_size=n_buf, accept_threshold=0.95, add_block_threshold=0.1,
-                               semi_complete_threshold=0.25, max_new_tokens=32)
-        reports[n_buf] = evaluate(tiny_mbd, ",".join(trained), decode, limit=LIMIT, engine=engine)
-        # TPF counts the output up to and including EOS (the paper's), not tokens unmasked
-        # past it: a sort answer ends with EOS inside its last block
-        prompt = tiny_mbd.tokenizer.encode(tasks.heldout("sort", 1, 0)[0].prompt)
-        (r,) = engine.generate([prompt], decode)
-        assert r.eos and r.finish_reason == "stop" and r.output_tokens == len(r.token_ids) + 1
-        assert r.tpf == r.output_tokens / r.nfe and r.tokens_unmasked >= r.output_tokens
-    single, multi = reports[1], reports[2]
-    assert single.n == len(trained) * LIMIT
-    assert single.accuracy >= ACCURACY_FLOOR, single.wrong
-    assert multi.tpf >= TPF_GAIN_FLOOR * single.tpf, (single.tpf, multi.tpf)
-    assert multi.accuracy >= single.accuracy - 0.05
+    for key, n_buf in (("single", 1), ("mbd", 2)):
+        model, engine = engines[key]
+        reports[key] = [evaluate(model, name, table1_decode(n_buf), limit=LIMIT, engine=engine)
+                        for name in tasks.TASKS]
+    assert sorted(ACCURACY_FLOORS) == sorted(tasks.TASKS)
+    for r in reports["single"]:
+        assert r.accuracy >= ACCURACY_FLOORS[r.task], (r.task, r.accuracy, r.wrong)
+
+    single, mbd = pool(reports["single"]), pool(reports["mbd"])
+    # not below SingleBD: measured one prompt in 100 below (75 against 76, a recall question)
+    assert mbd["correct"] >= single["correct"] - 1, [(r.task, r.accuracy) for r in reports["mbd"]]
+    assert mbd["tpf"] >= TPF_GAIN_FLOOR * single["tpf"], (single["tpf"], mbd["tpf"])
+    # TPF counts the output up to and including EOS (the paper's), not tokens unmasked past it
+    model, engine = engines["mbd"]
+    prompt = model.tokenizer.encode(tasks.heldout("sort", 1, 0)[0].prompt)
+    (r,) = engine.generate([prompt], table1_decode(2))
+    assert r.eos and r.finish_reason == "stop" and r.output_tokens == len(r.token_ids) + 1
+    assert r.tpf == r.output_tokens / r.nfe and r.tokens_unmasked >= r.output_tokens
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMAT_FLOORS))
+def test_every_way_a_question_arrives(engines, fmt):
+    """A system line first, an earlier answered turn first, or raw text with no template (what
+    /v1/completions and /generate send): the default model answers held-out questions."""
+    model, engine = engines["mbd"]
+    r = evaluate(model, "all", table1_decode(2), limit=FORMAT_LIMIT, engine=engine, fmt=fmt)
+    assert sorted(FORMAT_FLOORS) == sorted(set(tasks.FORMATS) - {"chat"})
+    assert r.accuracy >= FORMAT_FLOORS[fmt], (fmt, r.accuracy, r.wrong)
+
+
+def test_a_chat_with_a_system_prompt_and_a_second_turn(engines):
+    messages = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "Sort: 8 3 5"},
+                {"role": "assistant", "content": "3 5 8"},
+                {"role": "user", "content": "Reverse: p k z w"}]
+    assert answer(engines, messages) == "w z k p"
+    messages[-1]["content"] = "Sort and reverse: 4 9 1 6"
+    assert answer(engines, messages) == "9 6 4 1"
+
+
+def test_ignore_eos_decodes_every_new_token(engines):
+    """`ignore_eos` (benchmarks: fixed work per row) runs past the answer's EOS to the limit; what
+    comes before is the ordinary answer and its EOS (later blocks never change earlier ones)."""
+    model, engine = engines["mbd"]
+    prompt = model.tokenizer.encode(tasks.heldout("sort", 1, 0)[0].prompt)
+    (short,) = engine.generate([prompt], table1_decode(2))
+    (full,) = engine.generate([prompt], dataclasses.replace(table1_decode(2), ignore_eos=True,
+                                                            max_new_tokens=40))
+    assert short.eos and not full.eos and full.finish_reason == "length"
+    assert len(full.token_ids) == 40
+    n = len(short.token_ids)
+    assert full.token_ids[:n + 1] == short.token_ids + [model.cfg.eos_token_ids[0]]
+
+
+def readme_demos() -> list[tuple[str, str, str]]:
+    """(how, prompt, answer) rows of the README's demo table."""
+    text = (ROOT / "README.md").read_text()
+    table = text.split("<!-- demos -->")[1].split("<!-- /demos -->")[0]
+    rows = re.findall(r"^\| (chat|raw) \| `([^`]+)` \| `([^`]+)` \|$", table, re.M)
+    assert len(rows) >= 5, table
+    return rows
+
+
+def test_readme_demos_answer_as_shown(engines):
+    """Each demo row with the service's default decoding (configs/serve.yaml); the prompts of the
+    README's curl, openai and `make generate` examples are demo rows."""
+    demos = readme_demos()
+    for how, prompt, want in demos:
+        got = answer(engines, [{"role": "user", "content": prompt}] if how == "chat" else prompt)
+        assert got == want, (how, prompt, got)
+    readme = (ROOT / "README.md").read_text()
+    chats = {p: a for how, p, a in demos if how == "chat"}
+    curl = re.search(r'"content": "([^"]+)"\}\], "max_tokens".*?\n# -> "content": "([^"]+)"',
+                     readme, re.S)
+    assert curl and chats.get(curl.group(1)) == curl.group(2)
+    assert re.search(r'messages=\[\{"role": "user", "content": "([^"]+)"\}\]', readme).group(1) in chats
+    make_prompt = re.search(r"^PROMPT \?= (.+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert make_prompt in chats
+    assert re.search(r'make generate PROMPT="([^"]+)"', readme).group(1) in chats
 
 
 def test_eval_command(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-m", "mbd_jax", "eval", "--task", "sort", "--limit", "8",
-                        "--buffer-size", "2", "--json", "--no-progress"], capture_output=True,
-                       text=True, cwd=ROOT, env=env, timeout=300)
+                        "--buffer-size", "2", "--format", "raw", "--json", "--no-progress"],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.splitlines()[-1])
     assert out["model"] == "tiny-mbd" and out["task"] == "sort" and out["n"] == 8
-    assert out["buffer_size"] == 2 and 0.0 <= out["accuracy"] <= 1.0
+    assert out["buffer_size"] == 2 and out["format"] == "raw" and 0.0 <= out["accuracy"] <= 1.0
     assert out["tpf"] == pytest.approx(out["tokens"] / out["nfe"])  # eval's tokens: with EOS
     assert out["tokens_per_s"] > 0

@@ -51,6 +51,7 @@ class RowParams:
     top_k: jax.Array  # 0: no limit
     top_p: jax.Array
     seed: jax.Array
+    ignore_eos: jax.Array  # bool: an EOS does not end the row (it runs to its limit)
 
 
 @flax.struct.dataclass
@@ -134,7 +135,8 @@ def advance(state: DecodeState, new_window: jax.Array, filled_now: jax.Array, ed
     # Stop: the output ends at the first EOS (inclusive) or at the limit; the row is done once every
     # position before that end is filled (later positions cannot change what came before) and, in
     # edit mode, the blocks holding it have settled.
-    is_eos = jnp.isin(new_window, jnp.asarray(eos_ids)) & filled & generated
+    is_eos = (jnp.isin(new_window, jnp.asarray(eos_ids)) & filled & generated
+              & ~p.ignore_eos[:, None])
     first_eos = jnp.min(jnp.where(is_eos, pos, NO_POSITION), axis=1)
     stop_pos = jnp.minimum(first_eos + 1, p.limit)
     gap = ~filled & generated & (pos < stop_pos[:, None])

@@ -128,4 +128,5 @@ def row_params(cfg: ModelConfig, prompts: list[np.ndarray], decodes: list[Decode
         top_k=col(lambda d: d.top_k, np.int32),
         top_p=col(lambda d: d.top_p),
         seed=col(lambda d: d.seed, np.int32),
+        ignore_eos=col(lambda d: d.ignore_eos, bool),
     )
