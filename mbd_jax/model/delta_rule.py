@@ -93,7 +93,7 @@ def unit_lower_inverse(a: jax.Array) -> jax.Array:
     levels of batched matmuls (C padded to a power of two with identity rows). Not
     `lax.linalg.triangular_solve`: on CPU that is LAPACK's batched trsm, which deadlocks in
     jaxlib 0.10.2 once the batch is large enough to be split over the intra-op thread pool
-    from inside an XLA program (docs/architecture.md, "API surprises")."""
+    from inside an XLA program (docs/architecture.md, "JAX / library API notes")."""
     c = a.shape[-1]
     size = 1 << max(c - 1, 0).bit_length()  # the next power of two >= C
     lead = a.shape[:-2]
@@ -158,22 +158,24 @@ def chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Ar
     k_decayed = k * jnp.exp(gamma[..., -1:] - gamma)[..., None]  # a write, as at the chunk's end
     chunk_decay = jnp.exp(gamma[..., -1])[..., None, None]  # [B, H, N, 1, 1]
     m = chunk // every  # spans per chunk
-    ends = gamma[..., every - 1::every]  # [B, H, N, M]: log decay to each span's last token
-    # A span's own writes as at its end: exp(gamma_end - gamma_j) k_j for j in the span
-    span_k = k * jnp.exp(jnp.repeat(ends, every, axis=-1) - gamma)[..., None]  # [B, H, N, C, Dk]
-    # span m's end state from the one before: S_m = exp(ends_m - ends_{m-1}) S_{m-1} + D_m
-    span_decay = jnp.exp(ends - jnp.pad(ends, [(0, 0)] * 3 + [(1, 0)])[..., :-1])
-    span_start = jnp.exp(ends)  # [B, H, N, M]: the chunk's start state, as at each span's end
+    xs = (u, w, scores, q_decayed, k_decayed, chunk_decay)
+    if m > 1:  # the states inside a chunk: each span's own writes, chained across its spans
+        ends = gamma[..., every - 1::every]  # [B, H, N, M]: log decay to each span's last token
+        # a span's writes as at its end: exp(gamma_end - gamma_j) k_j for j in the span
+        span_k = k * jnp.exp(jnp.repeat(ends, every, axis=-1) - gamma)[..., None]
+        # S_m = exp(ends_m - ends_{m-1}) S_{m-1} + (span m's writes), S_{-1} the chunk's start
+        span_decay = jnp.exp(ends - jnp.pad(ends, [(0, 0)] * 3 + [(1, 0)])[..., :-1])
+        xs += (span_k, span_decay, jnp.exp(ends))  # the last: the start state, as at span ends
 
     def step(s, x):  # s: [B, H, Dk, Dv]
-        u_c, w_c, sc_c, qd_c, kd_c, cd_c, sk_c, sd_c, ss_c, *given = x
+        u_c, w_c, sc_c, qd_c, kd_c, cd_c, *rest = x
+        spans_in, given = (rest[:3], rest[3:]) if m > 1 else ((), rest)
         if given:  # this chunk's restart flag [B] and state
             s = jnp.where(given[0][:, None, None, None], given[1], s)
         v_new = u_c - jnp.einsum("bhck,bhkv->bhcv", w_c, s)  # the corrections actually written
         o = jnp.einsum("bhck,bhkv->bhcv", qd_c, s) + jnp.einsum("bhij,bhjv->bhiv", sc_c, v_new)
-        if every == chunk:
-            spans = None
-        else:  # [B, H, M, Dk, Dv]: each span's writes, chained across the chunk's spans
+        if spans_in:  # [B, H, M, Dk, Dv]
+            sk_c, sd_c, ss_c = spans_in
             writes = jnp.einsum("bhmjk,bhmjv->bhmkv", sk_c.reshape(*sk_c.shape[:2], m, every, dk),
                                 v_new.reshape(*v_new.shape[:2], m, every, dv))
             _, chained = jax.lax.associative_scan(
@@ -181,10 +183,9 @@ def chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Ar
                 (sd_c, writes), axis=2)
             spans = chained + ss_c[..., None, None] * s[:, :, None]
         s = s * cd_c + jnp.einsum("bhck,bhcv->bhkv", kd_c, v_new)
-        return s, (o, s[:, :, None] if spans is None else spans)
+        return s, (o, spans if spans_in else s[:, :, None])
 
-    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, scores, q_decayed, k_decayed, chunk_decay,
-                                               span_k, span_decay, span_start))
+    xs = tuple(jnp.moveaxis(x, 2, 0) for x in xs)
     if restart is not None:
         xs += (jnp.moveaxis(restart[0], 1, 0), jnp.moveaxis(restart[1].astype(jnp.float32), 1, 0))
     _, (o, states) = jax.lax.scan(step, state.astype(jnp.float32), xs)  # states: [N, B, H, M, ..]
