@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from mbd_jax.checkpoint import LoadedModel
-from mbd_jax.config import DecodeConfig
+from mbd_jax.config import DecodeConfig, decode_config
 from mbd_jax.engine import Engine
 from mbd_jax.errors import UserError
 from mbd_jax.train import tasks
@@ -25,6 +25,7 @@ class EvalReport:
     model: str
     task: str  # a task name, or the comma-separated tasks pooled together
     n: int
+    correct: int
     accuracy: float
     tpf: float
     tokens_per_s: float
@@ -87,17 +88,34 @@ def evaluate(model: LoadedModel, task: str, decode: DecodeConfig, *, limit: int 
         bar.set_postfix(acc=f"{correct / (s + len(results)):.3f}", tpf=f"{tokens / max(nfe, 1):.2f}")
     bar.close()
     return EvalReport(model=model.cfg.name, task=",".join(names), n=len(examples),
-                      accuracy=correct / len(examples), tpf=tokens / max(nfe, 1),
+                      correct=correct, accuracy=correct / len(examples), tpf=tokens / max(nfe, 1),
                       tokens_per_s=tokens / seconds, tokens=tokens, nfe=nfe,
                       seconds=round(seconds, 3), buffer_size=decode.buffer_size,
                       accept_threshold=decode.accept_threshold, format=fmt, wrong=wrong)
+
+
+def table1_decode(buffer_size: int, **overrides: Any) -> DecodeConfig:
+    """The MBD paper's Table 1 settings (its SDAR-b4 math ones: tau_accept 0.95, tau_add 0.1,
+    tau_semi 0.25), 48 new tokens at most: tools/table1.py, tools/compare_models.py and the
+    shipped-model tests measure with them. None overrides keep these."""
+    return decode_config(**{"buffer_size": buffer_size, "accept_threshold": 0.95,
+                            "add_block_threshold": 0.1, "semi_complete_threshold": 0.25,
+                            "max_new_tokens": 48,
+                            **{k: v for k, v in overrides.items() if v is not None}})
+
+
+def evaluate_tasks(model: LoadedModel, decode: DecodeConfig, engine: Engine, *, limit: int,
+                   fmt: str = "chat") -> list[EvalReport]:
+    """One report per task of the suite (tasks.TASKS), on one engine; `pool` merges them."""
+    return [evaluate(model, name, decode, limit=limit, engine=engine, fmt=fmt)
+            for name in tasks.TASKS]
 
 
 def pool(reports: list[EvalReport]) -> dict[str, Any]:
     """Reports of several tasks (same model and decoding) pooled: accuracy over every prompt, TPF
     and tokens/s over every token."""
     n = sum(r.n for r in reports)
-    correct = sum(round(r.accuracy * r.n) for r in reports)
+    correct = sum(r.correct for r in reports)
     tokens, nfe = sum(r.tokens for r in reports), sum(r.nfe for r in reports)
     seconds = sum(r.seconds for r in reports)
     return {"n": n, "correct": correct, "accuracy": correct / n, "tpf": tokens / max(nfe, 1),

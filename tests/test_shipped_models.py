@@ -22,9 +22,9 @@ import pytest
 from mbd_jax import chat
 from mbd_jax.checkpoint import load_model
 from mbd_jax.cli import DEFAULT_MODEL
-from mbd_jax.config import ServeConfig, decode_config, load_serve_config
+from mbd_jax.config import ServeConfig, load_serve_config
 from mbd_jax.engine import Engine
-from mbd_jax.evaluate import evaluate, pool
+from mbd_jax.evaluate import evaluate, evaluate_tasks, pool, table1_decode
 from mbd_jax.train import tasks
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -36,12 +36,6 @@ ACCURACY_FLOORS = {"arith": 0.3, "sort": 0.85, "reverse": 0.9, "recall": 0.4, "s
 # raw 16 (raw text is its weak spot: docs/training.md)
 FORMAT_FLOORS = {"system": 0.55, "multiturn": 0.45, "raw": 0.05}
 TPF_GAIN_FLOOR = 1.35  # MBD (tiny-mbd, N_buf 2) over SingleBD, pooled (measured 1.45)
-
-
-def table1_decode(n_buf: int):
-    """tools/table1.py's main setting (accept threshold 0.95)."""
-    return decode_config(buffer_size=n_buf, accept_threshold=0.95, add_block_threshold=0.1,
-                         semi_complete_threshold=0.25, max_new_tokens=48)
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +78,7 @@ def test_every_task_single_bd_floor_and_mbd_keeps_it_at_a_higher_tpf(engines):
     reports = {}
     for key, n_buf in (("single", 1), ("mbd", 2)):
         model, engine = engines[key]
-        reports[key] = [evaluate(model, name, table1_decode(n_buf), limit=LIMIT, engine=engine)
-                        for name in tasks.TASKS]
+        reports[key] = evaluate_tasks(model, table1_decode(n_buf), engine, limit=LIMIT)
     assert sorted(ACCURACY_FLOORS) == sorted(tasks.TASKS)
     for r in reports["single"]:
         assert r.accuracy >= ACCURACY_FLOORS[r.task], (r.task, r.accuracy, r.wrong)

@@ -34,18 +34,17 @@ ROWS = [  # (label, which model, N_buf, decode settings beyond the threshold pol
 
 def main() -> None:
     from mbd_jax.checkpoint import load_model
-    from mbd_jax.config import decode_config
     from mbd_jax.engine import Engine
-    from mbd_jax.evaluate import evaluate, pool
+    from mbd_jax.evaluate import evaluate_tasks, pool, table1_decode
     from mbd_jax.train import tasks
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limit", type=int, default=50, help="held-out prompts per task")
     ap.add_argument("--thresholds", default="0.5,0.7,0.8,0.9,0.95,0.99")
     ap.add_argument("--main-threshold", type=float, default=0.95)
-    ap.add_argument("--add-block-threshold", type=float, default=0.1)
-    ap.add_argument("--semi-complete-threshold", type=float, default=0.25)
-    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--add-block-threshold", type=float, help="default: evaluate.table1_decode's")
+    ap.add_argument("--semi-complete-threshold", type=float, help="default: table1_decode's")
+    ap.add_argument("--max-new-tokens", type=int, help="default: table1_decode's")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--bd", default="tiny-bd", help="the block-diffusion (SingleBD) model")
     ap.add_argument("--mbd", default="tiny-mbd", help="the MultiTF post-trained model")
@@ -69,12 +68,11 @@ def main() -> None:
         sweep = thresholds if extra.get("policy", "threshold") == "threshold" else [
             args.main_threshold]
         for tau in sweep:
-            decode = decode_config(buffer_size=n_buf, accept_threshold=tau,
+            decode = table1_decode(n_buf, accept_threshold=tau,
                                    add_block_threshold=args.add_block_threshold,
                                    semi_complete_threshold=args.semi_complete_threshold,
                                    max_new_tokens=args.max_new_tokens, **extra)
-            reports = [evaluate(model, name, decode, limit=args.limit, engine=engine)
-                       for name in names]
+            reports = evaluate_tasks(model, decode, engine, limit=args.limit)
             row = {"row": label, "model": str(model.path.parent), "buffer_size": n_buf,
                    "accept_threshold": tau, **extra, **pool(reports),
                    "tasks": {r.task: {"accuracy": r.accuracy, "tpf": r.tpf,
@@ -98,9 +96,9 @@ def main() -> None:
         cells = [f"{100 * o['tasks'][t]['accuracy']:.0f} / {o['tasks'][t]['tpf']:.2f}"
                  for t in names]
         print(f"| {o['row']} | " + " | ".join(cells) + " |", file=sys.stderr)
-    print(json.dumps({"limit_per_task": args.limit, "add_block_threshold": args.add_block_threshold,
-                      "semi_complete_threshold": args.semi_complete_threshold,
-                      "max_new_tokens": args.max_new_tokens, "results": out}))
+    print(json.dumps({"limit_per_task": args.limit, "add_block_threshold": decode.add_block_threshold,
+                      "semi_complete_threshold": decode.semi_complete_threshold,
+                      "max_new_tokens": decode.max_new_tokens, "results": out}))
     if args.plot:
         import matplotlib
 
