@@ -17,8 +17,8 @@ import jax
 import yaml
 from jax.sharding import Mesh
 
-from mbd_jax.config import (GENERATION_FILE, ModelConfig, config_dict, from_dict, latest_version,
-                             load_yaml, model_generation_settings, resolve_model_path,
+from mbd_jax.config import (GENERATION_FILE, ModelConfig, config_dict, latest_version,
+                             load_model_config, model_generation_settings, resolve_model_path,
                              with_runtime)
 from mbd_jax.errors import ConfigError
 from mbd_jax.parallel import mesh as meshlib
@@ -116,7 +116,7 @@ def verify_model_dir(model_dir: str | pathlib.Path) -> list[tuple[str, str | Non
     if not (d / "config.yaml").is_file():
         return [("config.yaml", f"{d} has no config.yaml (not a model directory)")]
     try:
-        cfg = from_dict(ModelConfig, load_yaml(d / "config.yaml"), where=str(d / "config.yaml"))
+        cfg = load_model_config(d / "config.yaml")
         results.append(("config.yaml", None))
     except ConfigError as e:
         return [("config.yaml", str(e))]
@@ -204,7 +204,7 @@ def load_model(model: str, *, with_weights: bool = True, random_weights: bool = 
     from mbd_jax.model.transformer import init_params
 
     config_path = resolve_model_path(model)
-    cfg = from_dict(ModelConfig, load_yaml(config_path), where=str(config_path))
+    cfg = load_model_config(config_path)
     cfg = with_runtime(cfg, runtime, where=f"model {model} runtime settings")
     mesh = mesh if mesh is not None else meshlib.single_device_mesh()
     params = None

@@ -468,9 +468,35 @@ def load_yaml(path: pathlib.Path) -> Any:
         raise ConfigError(f"{path}: malformed YAML: {e}") from None
 
 
+def _merged(base: dict, over: dict) -> dict:
+    """`over` on top of `base`; a mapping in both is merged key by key (sequence_module, ...)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_model_yaml(path: pathlib.Path, _seen: tuple[pathlib.Path, ...] = ()) -> Any:
+    """A model config file's mapping, with its `base:` (a YAML file beside it, itself possibly
+    based on another) underneath: a preset states only what differs from the one it names."""
+    data = load_yaml(path)
+    if not isinstance(data, dict) or "base" not in data:
+        return data
+    name = data.pop("base")
+    base = path.parent / str(name)
+    if not isinstance(name, str) or not name.endswith(".yaml") or not base.is_file():
+        raise ConfigError(f"{path}: field 'base' must name a YAML file beside it, got {name!r}")
+    if base.resolve() in _seen:
+        raise ConfigError(f"{path}: field 'base' loops back to {base.name}")
+    parent = load_model_yaml(base, (*_seen, path.resolve(), base.resolve()))
+    if not isinstance(parent, dict):
+        raise ConfigError(f"{base}: must be a mapping of config fields (the base of {path.name})")
+    return _merged(parent, data)
+
+
 def load_model_config(path: str | pathlib.Path) -> ModelConfig:
     path = pathlib.Path(path)
-    return from_dict(ModelConfig, load_yaml(path), where=str(path))
+    return from_dict(ModelConfig, load_model_yaml(path), where=str(path))
 
 
 def available_presets() -> list[str]:

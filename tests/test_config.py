@@ -106,3 +106,28 @@ def test_serve_settings_from_the_environment_sit_between_the_file_and_the_comman
         load_serve_config(path, **{"server.admin_port": 70000})
     with pytest.raises(ConfigError, match=r"field 'port' must be in \[1, 65535\]"):
         load_serve_config(path, env={"MBD_SERVER_PORT": "0"})
+
+
+def test_a_preset_states_only_what_differs_from_its_base(tmp_path):
+    """`base:` puts a preset on top of another file beside it (mappings merged key by key); the
+    hybrid presets use it, and a wrong or looping base is refused naming the field."""
+    causal = load_model_config(MODEL_PRESET_DIR / "tiny-moe-hybrid-causal.yaml")
+    bidi = load_model_config(MODEL_PRESET_DIR / "tiny-moe-hybrid-bidirectional.yaml")
+    plain = load_model_config(MODEL_PRESET_DIR / "tiny-moe.yaml")
+    assert bidi.sequence_module.block_mode == "bidirectional" != causal.sequence_module.block_mode
+    assert dataclasses.replace(bidi, name=causal.name, sequence_module=dataclasses.replace(
+        bidi.sequence_module, block_mode="causal")) == causal
+    assert dataclasses.replace(causal, name=plain.name, sequence_module=None) == plain
+    (tmp_path / "a.yaml").write_text((MODEL_PRESET_DIR / "tiny-moe.yaml").read_text().replace(
+        "../tokenizers/", str(MODEL_PRESET_DIR.parent / "tokenizers") + "/"))
+    (tmp_path / "b.yaml").write_text("base: a.yaml\nname: b\nhidden_size: 64\n")
+    b = load_model_config(tmp_path / "b.yaml")
+    assert (b.name, b.hidden_size, b.num_layers) == ("b", 64, plain.num_layers)
+    (tmp_path / "c.yaml").write_text("base: nowhere.yaml\nname: c\n")
+    with pytest.raises(ConfigError, match="c.yaml: field 'base' must name a YAML file beside it, "
+                                          "got 'nowhere.yaml'"):
+        load_model_config(tmp_path / "c.yaml")
+    (tmp_path / "d.yaml").write_text("base: e.yaml\n")
+    (tmp_path / "e.yaml").write_text("base: d.yaml\n")
+    with pytest.raises(ConfigError, match="field 'base' loops back to"):
+        load_model_config(tmp_path / "d.yaml")

@@ -5,6 +5,7 @@ as configured, and a bucketed batch holds exactly the examples that need its len
 from __future__ import annotations
 
 import collections
+import hashlib
 import re
 
 import numpy as np
@@ -39,8 +40,74 @@ def solve(question: str) -> str:
 def turns(ex: tasks.Example) -> list[tuple[str, str]]:
     if ex.format == "raw":
         return [("user", ex.prompt)]
-    assert ex.prompt.endswith("<|assistant|>")
-    return TURN.findall(ex.prompt[: -len("<|assistant|>")])
+    opening = "<|assistant|> <think>" if ex.format == "thinking" else "<|assistant|>"
+    assert ex.prompt.endswith(opening)
+    return TURN.findall(ex.prompt[: -len(opening)])
+
+
+def check_trace(ex: tasks.Example) -> None:
+    """A thinking reply's trace does the work it claims: every arith column adds up (with the
+    carry or borrow it names) and the columns spell the answer; sortrev's trace is the sorted
+    list; the other tasks think nothing."""
+    question = turns(ex)[-1][1]
+    if ex.task == "arith":
+        columns = ex.reasoning.split()
+        assert len(columns) == 2, ex
+        a, op, b = re.fullmatch(r"What is (\d+)([+-])(\d+)\?", question).groups()
+        (ta, ua), (tb, ub) = divmod(int(a), 10), divmod(int(b), 10)
+        (lhs0, units), (lhs1, tens) = (col.split("=") for col in columns)
+        units_terms = [int(t) for t in re.findall(r"[+-]?\d+", lhs0)]
+        tens_terms = [int(t) for t in re.findall(r"[+-]?\d+", lhs1)]
+        assert sum(units_terms) == int(units) and sum(tens_terms) == int(tens), ex  # it adds up
+        if op == "+":
+            assert units_terms == [ua, ub], ex
+            assert tens_terms == [ta, tb] + ([1] if ua + ub >= 10 else []), ex  # the carry
+        else:
+            assert units_terms == [ua + (10 if ua < ub else 0), -ub], ex
+            assert tens_terms == [ta] + ([-1] if ua < ub else []) + [-tb], ex  # the borrow
+        assert ex.answer.endswith(f"={int(tens) * 10 + int(units) % 10}"), ex  # it spells the answer
+    elif ex.task == "sortrev":
+        assert ex.reasoning == " ".join(sorted(question.split(": ")[1].split())), ex
+    else:
+        assert ex.reasoning == "", ex
+    assert ex.reply == f"{ex.reasoning}</think> {ex.answer}"
+
+
+def test_the_shipped_models_training_stream_is_unchanged():
+    """Without thinking_share the stream is the one the shipped models were trained on (a hash of
+    its first 500 examples, taken before the thinking format existed), so `make models`
+    reproduces them."""
+    h = hashlib.sha256()
+    for ex, _ in zip(tasks.examples(list(tasks.TASKS), seed=3), range(500)):
+        h.update(f"{ex.format}|{ex.prompt}|{ex.answer}".encode())
+    assert h.hexdigest()[:16] == "62021622fe02d550"
+
+
+def test_thinking_examples_work_their_trace_and_follow_the_share():
+    stream = tasks.examples(list(tasks.TASKS), seed=4, thinking_share=0.3)
+    seen = collections.Counter()
+    for ex, _ in zip(stream, range(1500)):
+        seen[ex.format] += 1
+        assert solve(turns(ex)[-1][1]) == ex.answer, ex
+        if ex.format == "thinking":
+            assert [r for r, _ in turns(ex)] == ["user"]
+            check_trace(ex)
+            assert ex.is_correct(ex.reply) and ex.is_correct(f"anything</think> {ex.answer}")
+            assert not ex.is_correct(ex.answer)  # never closed: all of it is reasoning
+        else:
+            assert ex.reasoning is None and ex.reply == ex.answer
+    assert abs(seen["thinking"] / 1500 - 0.3) < 0.04, seen
+    for fmt, w in tasks.FORMAT_WEIGHTS.items():  # the rest keep their proportions
+        assert abs(seen[fmt] / 1500 - 0.7 * w) < 0.04, (fmt, seen)
+    for name in tasks.TASKS:
+        for ex in tasks.heldout(name, 30, fmt="thinking"):
+            check_trace(ex)
+    borrow = [ex for ex in tasks.heldout("arith", 200, fmt="thinking") if "-1-" in ex.reasoning]
+    carry = [ex for ex in tasks.heldout("arith", 200, fmt="thinking") if "+1=" in ex.reasoning]
+    assert borrow and carry  # both kinds of column occur
+    with pytest.raises(UserError, match=r"field 'thinking_share' must be in \[0, 1\], got 1.5"):
+        from mbd_jax.config import from_dict
+        from_dict(TrainConfig, {"name": "t", "model": "m", "thinking_share": 1.5}, where="t.yaml")
 
 
 def test_answers_match_an_independent_solver_in_every_format():

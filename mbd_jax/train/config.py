@@ -19,6 +19,9 @@ class TrainConfig:
     # repo root); default runs/<name>-model. A shipped model (models/...) is replaced only with
     # force (`mbd-jax train --force`).
     tasks: tuple[str, ...] = ("arith", "sort", "reverse", "recall")  # in turn: k times = k shares
+    # The share of examples asked with the thinking switch on (a worked trace, then the answer:
+    # train/tasks.py); the rest are drawn by tasks.FORMAT_WEIGHTS.
+    thinking_share: float = 0.0
     # Objective: block diffusion is MultiTF with groups of one block (g_max 1).
     objective: Literal["bd", "multitf"] = "bd"
     g_max: int = 1  # multitf: largest noise group (= the N_buf it prepares for)
@@ -53,6 +56,8 @@ class TrainConfig:
         bad = [t for t in self.tasks if t not in TASKS]
         _check(not bad and len(self.tasks) > 0, where,
                f"field 'tasks' has unknown task(s) {bad}; allowed: {', '.join(TASKS)}")
+        _check(0 <= self.thinking_share <= 1, where,
+               f"field 'thinking_share' must be in [0, 1], got {self.thinking_share}")
         _check(self.g_max >= 1, where, f"field 'g_max' must be >= 1, got {self.g_max}")
         _check(self.objective == "multitf" or self.g_max == 1, where,
                "objective 'bd' trains one block per noise group: set g_max 1 or objective multitf")

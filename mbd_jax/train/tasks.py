@@ -19,18 +19,28 @@ trained on: `chat` (one user turn, the `plain` template: `/v1/chat/completions`)
 system line first), `multiturn` (an earlier, answered question before it; sometimes a system
 line too) and `raw` (the bare question with no template: `/v1/completions`, `/generate`).
 Training mixes them by FORMAT_WEIGHTS; eval asks for one.
+
+A fifth format, `thinking`, is a chat turn with the thinking switch on: the prompt opens a
+thinking section and the reply is a short worked trace, `</think>`, then the answer. Only arith
+and sortrev have a trace that does work (the digit columns with their carries or borrows; the
+sorted list before its reversal); the others think nothing (`</think>` at once). Training gets it
+only where a config asks (`thinking_share`).
+
+    arith    What is 47+38?       (thinking) -> 7+8=15 4+3+1=8</think> 47+38=85
+    sortrev  Sort and reverse: 7 2 9 4       -> 2 4 7 9</think> 9 7 4 2
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 import string
 from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from mbd_jax.chat import render
+from mbd_jax.chat import THINK_END, render, split_reasoning
 from mbd_jax.errors import UserError
 
 HELDOUT_PER_MILLE = 100  # 10% of all questions are held out
@@ -47,18 +57,26 @@ SYSTEM_PROMPTS = (
 )
 # How often each format appears in training (eval picks one).
 FORMAT_WEIGHTS = {"chat": 0.45, "system": 0.2, "multiturn": 0.2, "raw": 0.15}
-FORMATS = tuple(FORMAT_WEIGHTS)
+# Every format eval can ask for: `thinking` enters training only by a config's thinking_share.
+FORMATS = (*FORMAT_WEIGHTS, "thinking")
 
 
 @dataclasses.dataclass(frozen=True)
 class Example:
     task: str
     prompt: str  # the text before the reply (a rendered chat prompt, or the bare question)
-    answer: str  # the exact expected reply
+    answer: str  # the exact expected answer
     format: str = "chat"
+    reasoning: str | None = None  # the worked trace before THINK_END (format `thinking` only)
+
+    @property
+    def reply(self) -> str:
+        """The text the model is trained to write after the prompt."""
+        return self.answer if self.reasoning is None else f"{self.reasoning}{THINK_END} {self.answer}"
 
     def is_correct(self, reply: str) -> bool:
-        return reply.strip() == self.answer
+        """Exact match of the answer (of a thinking reply: the part after THINK_END)."""
+        return (reply if self.reasoning is None else split_reasoning(reply)[1]).strip() == self.answer
 
 
 def _digits(rng: np.random.Generator, lo: int, hi: int) -> list[int]:
@@ -98,6 +116,27 @@ def _sortrev(rng: np.random.Generator) -> tuple[str, str]:
     return "Sort and reverse: " + " ".join(map(str, xs)), " ".join(map(str, sorted(xs)[::-1]))
 
 
+def _arith_trace(question: str) -> str:
+    """Column by column, units first: `7+8=15 4+3+1=8` (47+38); `17-8=9 4-1-3=0` (47-38)."""
+    a, op, b = re.fullmatch(r"What is (\d+)([+-])(\d+)\?", question).groups()
+    (ta, ua), (tb, ub) = divmod(int(a), 10), divmod(int(b), 10)
+    if op == "+":
+        carry = "+1" if ua + ub >= 10 else ""
+        return f"{ua}+{ub}={ua + ub} {ta}+{tb}{carry}={ta + tb + (ua + ub >= 10)}"
+    if ua < ub:
+        return f"{ua + 10}-{ub}={ua + 10 - ub} {ta}-1-{tb}={ta - 1 - tb}"
+    return f"{ua}-{ub}={ua - ub} {ta}-{tb}={ta - tb}"
+
+
+def _trace(task: str, question: str, answer: str) -> str:
+    """The worked trace a thinking reply writes before THINK_END (empty: nothing to work out)."""
+    if task == "arith":
+        return _arith_trace(question)
+    if task == "sortrev":
+        return " ".join(answer.split()[::-1])
+    return ""
+
+
 TASKS: dict[str, Callable[[np.random.Generator], tuple[str, str]]] = {
     "arith": _arith, "sort": _sort, "reverse": _reverse, "recall": _recall, "sortrev": _sortrev}
 
@@ -129,6 +168,8 @@ def render_example(question: str, fmt: str, rng: np.random.Generator,
     if fmt == "raw":
         return question
     messages = [{"role": "user", "content": question}]
+    if fmt == "thinking":
+        return render(messages, thinking=True)
     if fmt == "multiturn":
         q0, a0 = _train_question(tasks, rng)
         messages = [{"role": "user", "content": q0}, {"role": "assistant", "content": a0},
@@ -140,9 +181,10 @@ def render_example(question: str, fmt: str, rng: np.random.Generator,
 
 
 def examples(tasks: list[str] | tuple[str, ...], seed, split: str = "train",
-             fmt: str | None = None) -> Iterator[Example]:
+             fmt: str | None = None, thinking_share: float = 0.0) -> Iterator[Example]:
     """An endless, deterministic stream of examples, tasks in turn, from `split`, in format
-    `fmt` (None: drawn by FORMAT_WEIGHTS)."""
+    `fmt` (None: `thinking` with probability thinking_share, else drawn by FORMAT_WEIGHTS; a
+    share of 0 draws nothing for it, so the stream is the one made before the format existed)."""
     check_tasks(tasks)
     if split not in ("train", "heldout"):
         raise UserError(f"split: must be 'train' or 'heldout', got {split!r}")
@@ -157,8 +199,10 @@ def examples(tasks: list[str] | tuple[str, ...], seed, split: str = "train",
         question, answer = TASKS[task](rng)
         if is_heldout(question) == want_heldout:
             i += 1
-            f = fmt or names[int(rng.choice(len(names), p=weights / weights.sum()))]
-            yield Example(task, render_example(question, f, rng, tasks), answer, f)
+            f = fmt or ("thinking" if thinking_share and rng.random() < thinking_share else
+                        names[int(rng.choice(len(names), p=weights / weights.sum()))])
+            yield Example(task, render_example(question, f, rng, tasks), answer, f,
+                          _trace(task, question, answer) if f == "thinking" else None)
 
 
 def heldout(task: str, n: int, seed: int = 1234, fmt: str = "chat") -> list[Example]:
@@ -175,4 +219,4 @@ def heldout(task: str, n: int, seed: int = 1234, fmt: str = "chat") -> list[Exam
 def corpus_lines(tasks: list[str] | tuple[str, ...], n: int, seed: int = 0) -> list[str]:
     """Training text for the tokenizer: n rendered prompt + answer pairs."""
     stream = examples(tasks, seed)
-    return [f"{ex.prompt} {ex.answer}" for ex, _ in zip(stream, range(n))]
+    return [f"{ex.prompt} {ex.reply}" for ex, _ in zip(stream, range(n))]

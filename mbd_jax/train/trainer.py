@@ -43,16 +43,17 @@ Progress = Literal["bar", "log", "none"]  # how fit shows its steps
 
 
 def encode(tokenizer: Tokenizer, ex: tasks.Example, eos: int) -> tuple[list[int], int]:
-    """prompt + answer + EOS -> (token ids, prompt length)."""
+    """prompt + reply + EOS -> (token ids, prompt length)."""
     prompt = tokenizer.encode(ex.prompt)
-    return prompt + tokenizer.encode(ex.answer) + [eos], len(prompt)
+    return prompt + tokenizer.encode(ex.reply) + [eos], len(prompt)
 
 
 def length_shares(tcfg: TrainConfig, cfg: ModelConfig, tokenizer: Tokenizer, n: int = 2000
                   ) -> np.ndarray:
     """[len(tcfg.lengths())] the share of examples whose shortest fitting row length is each of
     tcfg.lengths(), from a fixed sample of n (examples longer than seq_len are left out)."""
-    stream = tasks.examples(tcfg.tasks, seed=(tcfg.seed, 2**31 - 1))
+    stream = tasks.examples(tcfg.tasks, seed=(tcfg.seed, 2**31 - 1),
+                            thinking_share=tcfg.thinking_share)
     lengths = np.array(tcfg.lengths())
     need = np.array([len(encode(tokenizer, ex, cfg.eos_token_ids[0])[0])
                      for ex, _ in zip(stream, range(n))])
@@ -76,7 +77,7 @@ def batch_for_step(tcfg: TrainConfig, cfg: ModelConfig, tokenizer: Tokenizer, st
         pick = int(np.random.default_rng((tcfg.seed, step, 2)).choice(len(lengths), p=shares))
     lo = lengths[pick - 1] if pick > 0 and shares is not None else 0
     hi = lengths[pick]
-    stream = tasks.examples(tcfg.tasks, seed=(tcfg.seed, step))
+    stream = tasks.examples(tcfg.tasks, seed=(tcfg.seed, step), thinking_share=tcfg.thinking_share)
     rows: list[tuple[np.ndarray, int]] = []
     for draws, ex in enumerate(stream):
         ids, n_prompt = encode(tokenizer, ex, eos)
