@@ -267,3 +267,27 @@ def test_expert_bias_balances_a_router_skewed_to_one_expert(loop):
     frozen = balance_experts(skew, uneven_loads(skew), 0.0)
     for b0, b1 in zip(before, biases(frozen)):
         np.testing.assert_array_equal(b1, b0)
+
+
+def test_the_shipped_training_configs_load_and_chain():
+    """Every configs/train/*.yaml is valid, and each starts from a preset, a shipped model or the
+    output of another config there (the make-models stages), with no two writing one place."""
+    from mbd_jax.config import available_presets
+    from mbd_jax.train.config import load_train_config
+
+    configs = {p.name: load_train_config(p) for p in sorted((ROOT / "configs/train").glob("*.yaml"))}
+    assert {"tiny-bd-base.yaml", "tiny-bd.yaml", "tiny-mbd.yaml"} <= set(configs)
+    outputs = {c.output_dir() for c in configs.values()} | {ROOT / "models" / "tiny-bd"}
+    assert len({c.output_dir() for c in configs.values()}) == len(configs)
+    assert len({c.checkpoint_dir for c in configs.values()}) == len(configs)
+    for name, c in configs.items():
+        c.validate(name)
+        assert c.model in available_presets() or c.path(c.model) in outputs, (name, c.model)
+    assert configs["tiny-mbd.yaml"].model == "tiny-bd"  # post-trains the shipped tiny-bd
+    make = (ROOT / "Makefile").read_text()
+    stages = [line.split("--config configs/train/")[1].split()[0]
+              for line in make.splitlines() if "train --config configs/train/" in line]
+    assert stages == ["tiny-bd-base.yaml", "tiny-bd-stage2.yaml", "tiny-bd-stage3.yaml",
+                      "tiny-bd.yaml", "tiny-mbd.yaml"]
+    for i, stage in enumerate(stages[1:-1], 1):  # each trains on from the stage before it
+        assert configs[stage].path(configs[stage].model) == configs[stages[i - 1]].output_dir()

@@ -3,6 +3,7 @@ against an independent reference (brute-force rules, NumPy, a single-stream forw
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 
@@ -143,16 +144,27 @@ def test_noisy_stream_equals_what_decoding_shows_the_model(groups, model):
         np.testing.assert_allclose(dual[lo:hi], ref[lo:hi], atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("weighting", ["llada2", "sdar"])
-def test_loss_matches_numpy(weighting):
+@pytest.mark.parametrize("weighting,edit_share", [("llada2", 0.0), ("sdar", 0.0), ("llada2", 0.3)])
+def test_loss_matches_numpy(weighting, edit_share):
     cfg, params = tiny_cfg(), tiny_params()
     rng = np.random.default_rng(2)
     seq = 4 * cfg.block_size
     rows = [(rng.integers(10, cfg.vocab_size, size=seq).astype(np.int32), int(p)) for p in (3, 9)]
     batch = objective.make_batch(rows, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
-                                 g_max=2, n_random=1, rng=rng)
+                                 g_max=2, n_random=1, rng=rng, edit_share=edit_share,
+                                 vocab_size=cfg.vocab_size)
+    edit = edit_share > 0
+    answer = np.stack([np.arange(seq) >= rows[i // (len(batch.noisy) // 2)][1]
+                       for i in range(len(batch.noisy))])
+    np.testing.assert_array_equal(batch.filled, answer & ~batch.masked)
+    corrupted = batch.noisy != batch.clean
+    assert not (corrupted & ~batch.masked & ~batch.filled).any()  # the prompt is never touched
+    if edit:  # about edit_share of the filled positions hold a random token
+        assert 0.15 < (corrupted & batch.filled).sum() / batch.filled.sum() < 0.45
+    else:
+        assert not (corrupted & batch.filled).any()
     loss_fn = jax.jit(functools.partial(objective.loss_fn, model=Transformer(cfg),
-                                        block_size=cfg.block_size, weighting=weighting))
+                                        block_size=cfg.block_size, weighting=weighting, edit=edit))
     loss, (metrics, load) = loss_fn(params, batch={k: jnp.asarray(v)
                                                    for k, v in batch.as_dict().items()})
     # every token of both streams routed to k experts in each MoE layer
@@ -161,7 +173,7 @@ def test_loss_matches_numpy(weighting):
     for x in loads:
         assert float(np.sum(x)) == batch.noisy.size * 2 * cfg.num_experts_per_tok
     # reference: per-row forwards, NumPy log-softmax and weighting
-    num = den = 0.0
+    num = den = edit_num = 0.0
     for r in range(batch.noisy.shape[0]):
         mask = objective.dual_stream_mask(jnp.asarray(batch.groups[r:r + 1]), cfg.block_size)[0]
         pos = np.arange(seq, dtype=np.int32)
@@ -173,5 +185,28 @@ def test_loss_matches_numpy(weighting):
         w = batch.masked[r] / (batch.t[r] if weighting == "sdar" else 1.0)
         num += float((nll * w).sum())
         den += float(w.sum())
+        edit_num += float((nll * batch.filled[r]).sum())
     assert int(metrics["masked"]) == int(batch.masked.sum()) > 0
-    np.testing.assert_allclose(float(loss), num / den, rtol=1e-5)
+    want = num / den + (edit_num / batch.filled.sum() if edit else 0.0)
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+
+
+def test_a_training_config_reaches_the_batch_with_its_edit_share():
+    """TrainConfig.edit_share corrupts the trainer's batches (and only the answers' filled
+    positions); a share outside [0, 1) is refused naming the field."""
+    from mbd_jax.checkpoint import load_model
+    from mbd_jax.config import from_dict
+    from mbd_jax.errors import UserError
+    from mbd_jax.train.config import TrainConfig
+    from mbd_jax.train.trainer import batch_for_step
+
+    model = load_model("tiny-moe", with_weights=False)
+    plain = TrainConfig(name="t", model="tiny-moe", tasks=("sort",), batch_size=8, seq_len=64)
+    edit = dataclasses.replace(plain, edit_share=0.25)
+    a = batch_for_step(plain, model.cfg, model.tokenizer, 3)
+    b = batch_for_step(edit, model.cfg, model.tokenizer, 3)
+    np.testing.assert_array_equal(a.clean, b.clean)
+    assert not ((a.noisy != a.clean) & a.filled).any()
+    assert ((b.noisy != b.clean) & b.filled).sum() > 0.1 * b.filled.sum()
+    with pytest.raises(UserError, match=r"field 'edit_share' must be in \[0, 1\), got 1"):
+        from_dict(TrainConfig, {"name": "t", "model": "m", "edit_share": 1}, where="t.yaml")

@@ -22,6 +22,10 @@ class TrainConfig:
     # The share of examples asked with the thinking switch on (a worked trace, then the answer:
     # train/tasks.py); the rest are drawn by tasks.FORMAT_WEIGHTS.
     thinking_share: float = 0.0
+    # Token-to-token training for the edit sampling mode: each unmasked answer position of a noisy
+    # block becomes a random token with this probability, and the loss also covers every unmasked
+    # answer position (keep a right token, restore a wrong one). 0: masked positions only.
+    edit_share: float = 0.0
     # Objective: block diffusion is MultiTF with groups of one block (g_max 1).
     objective: Literal["bd", "multitf"] = "bd"
     g_max: int = 1  # multitf: largest noise group (= the N_buf it prepares for)
@@ -58,6 +62,8 @@ class TrainConfig:
                f"field 'tasks' has unknown task(s) {bad}; allowed: {', '.join(TASKS)}")
         _check(0 <= self.thinking_share <= 1, where,
                f"field 'thinking_share' must be in [0, 1], got {self.thinking_share}")
+        _check(0 <= self.edit_share < 1, where,
+               f"field 'edit_share' must be in [0, 1), got {self.edit_share}")
         _check(self.g_max >= 1, where, f"field 'g_max' must be >= 1, got {self.g_max}")
         _check(self.objective == "multitf" or self.g_max == 1, where,
                "objective 'bd' trains one block per noise group: set g_max 1 or objective multitf")

@@ -111,22 +111,36 @@ class Batch:
     masked: np.ndarray  # [R, L] bool, the positions the loss is taken on
     t: np.ndarray  # [R, L] float32, the noise level of each position's block
     groups: np.ndarray  # [R, nb] int32, the noise group of each block
+    # [R, L] bool: answer positions left unmasked (the edit loss's positions: their noisy token is
+    # the clean one, or a random one where edit_share corrupted it)
+    filled: np.ndarray
 
     def as_dict(self) -> dict[str, np.ndarray]:
         return dataclasses.asdict(self)
 
 
 def make_batch(rows: list[tuple[np.ndarray, int]], *, block_size: int, mask_token_id: int,
-               g_max: int, n_random: int, rng: np.random.Generator) -> Batch:
+               g_max: int, n_random: int, rng: np.random.Generator, edit_share: float = 0.0,
+               vocab_size: int = 0) -> Batch:
     """rows: (clean tokens [L], prompt length) per example; every example is repeated once per
-    layout (block diffusion: one layout)."""
-    out: dict[str, list] = {k: [] for k in ("noisy", "clean", "masked", "t", "groups")}
+    layout (block diffusion: one layout). edit_share: each unmasked answer position of the noisy
+    stream becomes a random token of [0, vocab_size) with this probability (the edit mode's
+    training, token to token; 0 draws nothing, so the batch is the one made without it)."""
+    out: dict[str, list] = {k: [] for k in ("noisy", "clean", "masked", "t", "groups", "filled")}
     for clean, prompt_len in rows:
         n_blocks = len(clean) // block_size
+        answer = np.arange(len(clean)) >= prompt_len
         for groups in layouts(n_blocks, g_max, n_random, rng):
             t = chain_uniform_t(groups, rng)
             masked = mask_blocks(clean, prompt_len, t, block_size, rng)
-            out["noisy"].append(np.where(masked, mask_token_id, clean))
+            filled = answer & ~masked
+            noisy = clean
+            if edit_share > 0:
+                corrupt = filled & (rng.random(len(clean)) < edit_share)
+                random = rng.integers(0, vocab_size, len(clean))
+                noisy = np.where(corrupt & (random != mask_token_id), random, clean)
+            out["noisy"].append(np.where(masked, mask_token_id, noisy).astype(clean.dtype))
+            out["filled"].append(filled)
             out["clean"].append(clean)
             out["masked"].append(masked)
             out["t"].append(np.repeat(t, block_size))
@@ -153,10 +167,13 @@ def dual_stream_mask(groups: jax.Array, block_size: int) -> jax.Array:
 
 
 def loss_fn(params, model, batch: dict[str, jax.Array], *, block_size: int,
-            weighting: str = "llada2") -> tuple[jax.Array, tuple[dict[str, jax.Array], Any]]:
+            weighting: str = "llada2", edit: bool = False
+            ) -> tuple[jax.Array, tuple[dict[str, jax.Array], Any]]:
     """Cross-entropy on masked noisy positions (label = the clean token there, no shift).
 
     llada2: mean over masked tokens; sdar: each token weighted 1/t of its block, self-normalised.
+    edit: plus the mean cross-entropy over the filled answer positions (batch["filled"]: keep a
+    right token, restore a corrupted one), what the edit sampling mode reads there.
     Returns (loss, (metrics, expert_load)): expert_load is the tree of per-layer routed-token
     counts the MoE layers sow (paths like the params', leaf `expert_load` [.., E]; empty for
     routers without a bias), for the trainer's balancing update.
@@ -180,6 +197,13 @@ def loss_fn(params, model, batch: dict[str, jax.Array], *, block_size: int,
     correct = (jnp.argmax(logits, -1) == clean) & masked
     acc = jnp.sum(correct) / jnp.maximum(jnp.sum(masked), 1)
     metrics = {"loss": loss, "token_acc": acc, "masked": jnp.sum(masked)}
+    if edit:
+        filled = batch["filled"]
+        edit_loss = jnp.sum(nll * filled) / jnp.maximum(jnp.sum(filled), 1)
+        loss = loss + edit_loss
+        fixed = (jnp.argmax(logits, -1) == clean) & filled & (noisy != clean)
+        metrics.update(loss=loss, edit_loss=edit_loss,
+                       restored=jnp.sum(fixed) / jnp.maximum(jnp.sum(filled & (noisy != clean)), 1))
     loads = jax.tree.leaves(load)
     if loads:  # the busiest expert's load over the mean, averaged over MoE layers (1 = balanced)
         ratio = [jnp.max(x, -1) / jnp.maximum(jnp.mean(x, -1), 1e-9) for x in loads]

@@ -90,6 +90,7 @@ def batch_for_step(tcfg: TrainConfig, cfg: ModelConfig, tokenizer: Tokenizer, st
                             f"a {ex.task} example of {len(ids)} tokens); raise seq_len")
     rng = np.random.default_rng((tcfg.seed, step, 1))
     return objective.make_batch(rows, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
+                                edit_share=tcfg.edit_share, vocab_size=cfg.vocab_size,
                                 g_max=tcfg.g_max, n_random=tcfg.n_random_layouts, rng=rng)
 
 
@@ -154,9 +155,10 @@ def balance_experts(params: Any, expert_load: Any, rate: float) -> Any:
 
 
 def train_step(state: dict, batch: dict, *, model: Transformer, tx: optax.GradientTransformation,
-               block_size: int, weighting: str, expert_bias_rate: float) -> tuple[dict, dict]:
+               block_size: int, weighting: str, expert_bias_rate: float, edit: bool = False
+               ) -> tuple[dict, dict]:
     loss = functools.partial(objective.loss_fn, model=model, block_size=block_size,
-                             weighting=weighting)
+                             weighting=weighting, edit=edit)
     grads, (metrics, load) = jax.grad(lambda p: loss(p, batch=batch),
                                       has_aux=True)(state["params"])
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
@@ -200,7 +202,7 @@ class Trainer:
         self._step = jax.jit(
             functools.partial(train_step, model=Transformer(self.cfg, self.mesh), tx=self.tx,
                               block_size=cfg.block_size, weighting=tcfg.weighting,
-                              expert_bias_rate=tcfg.expert_bias_rate),
+                              expert_bias_rate=tcfg.expert_bias_rate, edit=tcfg.edit_share > 0),
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
         self._manager = None
