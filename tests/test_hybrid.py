@@ -102,18 +102,6 @@ def test_converted_hybrid_logits_equal_transformers_at_block_size_1(converted):
     assert np.abs(causal - bidirectional).max() > 1e-3
 
 
-def test_what_a_hybrid_cannot_do_yet_is_refused_by_the_field_that_makes_it_one(converted):
-    """The prefix cache (its entries hold no recurrent state) is refused by name before anything
-    runs: it would load a hybrid's rows wrong, not fail."""
-    from mbd_jax.cache.prefix_store import PrefixStore
-
-    _, d = converted
-    m = load_model(str(d))
-    with pytest.raises(UserError, match="recurrent states.*'sequence_module'.*cache.enabled"):
-        Engine(m.cfg, m.params, batch_size=1, prefill_chunk=8,
-               prefix_store=PrefixStore("m", m.cfg.block_size, ram_bytes=1 << 20))
-
-
 def test_sequence_module_fields_are_checked_at_load(converted, tmp_path):
     """A missing or wrong sequence-module field is refused by name; the written config reads
     back equal."""
@@ -226,6 +214,65 @@ def test_hybrid_engine_generates_batch_invariantly_with_reused_rows():
         assert any(len(t) > 4 for t in together)
 
 
+@pytest.mark.parametrize("mode,loop", [("causal", "unrolled"), ("bidirectional", "scan")])
+def test_the_prefix_store_serves_a_hybrid_exactly(tmp_path, mode, loop):
+    """The prefix store keeps a hybrid's recurrent state at the boundaries where rows' committed
+    blocks ended (a prompt's last full block; a reply's last committed one): a prompt sent again,
+    and a second turn that repeats the first turn and its reply, load their blocks and state
+    from it (RAM, then disk after a restart) and decode what a cold engine decodes, with the
+    first forward's logits within 1e-5. A prefix that ends where no state was kept is not a hit."""
+    from mbd_jax.cache.prefix_store import PrefixStore, state_key
+    from tests.test_prefix_cache import first_step_logits
+
+    cfg, params = hybrid_cfg(mode, loop)
+    rng = np.random.default_rng(5)
+    shared = rng.integers(10, 500, size=45).tolist()  # 5 full blocks of 8
+    other = shared[:33] + rng.integers(10, 500, size=12).tolist()  # shares 4 blocks with it
+    third = shared[:33] + rng.integers(10, 500, size=12).tolist()  # and so does this one
+    d = DecodeConfig(buffer_size=2, max_new_tokens=24, ignore_eos=True)
+
+    def engine(store=None):
+        e = Engine(cfg, params, batch_size=2, buffer_size=2, prefill_chunk=16, prefix_store=store)
+        e.warmup()
+        return e
+
+    def store():
+        return PrefixStore("hybrid", cfg.block_size, ram_bytes=1 << 24, storage_path=tmp_path,
+                           disk_bytes=1 << 26)
+
+    cold = engine()
+    first = cold.generate([shared, other], d)
+    turn2 = shared + first[0].token_ids + rng.integers(10, 500, size=7).tolist()
+    cold_turn2 = cold.generate([turn2], d)[0].token_ids
+    cold_third = cold.generate([third], d)[0].token_ids
+    cold_logits = [first_step_logits(cold, p) for p in (shared, turn2)]
+
+    s1 = store()
+    warm = engine(s1)
+    assert [r.token_ids for r in warm.generate([shared, other], d)] == [r.token_ids for r in first]
+    warm.offloader.flush()
+    assert s1.stats.hits == 0 and warm.offloader.stats.staged_states >= 2
+    assert state_key(s1.keys(shared)[4]) in s1  # the prompt's own boundary
+    assert state_key(s1.keys(other)[3]) not in s1
+    hits = warm.prefix_hit_tokens
+    assert [r.token_ids for r in warm.generate([shared, other], d)] == [r.token_ids for r in first]
+    assert warm.prefix_hit_tokens - hits == 80 and s1.stats.hits == 10  # 5 blocks each
+    hits = warm.prefix_hit_tokens
+    assert warm.generate([third], d)[0].token_ids == cold_third
+    assert warm.prefix_hit_tokens == hits  # its 4 stored blocks end where no state was kept
+    assert warm.generate([turn2], d)[0].token_ids == cold_turn2
+    assert warm.prefix_hit_tokens - hits > 40  # into the first turn's reply
+    np.testing.assert_allclose(first_step_logits(warm, shared), cold_logits[0], atol=1e-5)
+    warm.offloader.close()
+
+    s2 = store()  # a restart on the same storage path: blocks and states from disk
+    again = engine(s2)
+    assert again.generate([turn2], d)[0].token_ids == cold_turn2
+    assert s2.stats.hits > 5 and s2.stats.corrupt == 0
+    np.testing.assert_allclose(first_step_logits(again, turn2), cold_logits[1], atol=1e-5)
+    again.offloader.close()
+
+
 @pytest.mark.parametrize("loop", ["unrolled", "scan"])
 def test_each_layer_kind_holds_only_its_own_cache(loop):
     """KV pages for the attention layer only, a state and conv tail for the two linear layers
@@ -246,19 +293,20 @@ def test_each_layer_kind_holds_only_its_own_cache(loop):
 
 
 def test_the_service_serves_a_hybrid_like_offline_generate(tmp_path):
-    """`mbd-jax serve` on tiny-hybrid (the prefix cache off, as the store holds no states):
-    completions, streamed or not, equal offline generation with MultiBD; voting answers."""
+    """`mbd-jax serve` on tiny-hybrid with the prefix cache on: completions, streamed or not,
+    equal offline generation with MultiBD (the second and third sends of a prompt load its
+    blocks and recurrent state from the store); voting answers; thinking has its template."""
     import httpx
 
     from mbd_jax.checkpoint import load_model as load
     from tests.live_server import KEY, Server
 
-    srv = Server(tmp_path, [KEY], sections={"model": "tiny-hybrid"})
+    srv = Server(tmp_path, [KEY], sections={"model": "tiny-hybrid", "cache": {"enabled": True}})
     try:
         m = load("tiny-hybrid")
         engine = Engine(m.cfg, m.params, batch_size=8, buffer_size=2, prefill_chunk=64,
                         tokenizer=m.tokenizer)
-        prompts = ["Sort: 3 1 2", "What is 12 + 30?"]
+        prompts = ["Sort: 3 1 2 and then say what the sum of all of them is", "What is 12 + 30?"]
         want = engine.generate([m.tokenizer.encode(p) for p in prompts],
                                DecodeConfig(buffer_size=2, max_new_tokens=20))
         with httpx.Client(base_url=srv.url, timeout=120,
@@ -272,6 +320,7 @@ def test_the_service_serves_a_hybrid_like_offline_generate(tmp_path):
                 chunks = [json.loads(e) for e in events if e != "[DONE]"]
                 assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == w.text
             assert any(len(w.token_ids) > 4 for w in want)
+            assert srv.metrics()["mbd_prefix_cache_hit_blocks_total"] > 0
             r = http.post("/v1/completions", json={  # voting reads the recorded trajectories
                 "prompt": prompts[1], "max_tokens": 16,
                 "decoding": {"voting": {"extractor": "regex", "pattern": r"(\w+)"}}})

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from mbd_jax.cache.prefix_store import PrefixStore, block_keys
+from mbd_jax.cache.prefix_store import PrefixStore, block_keys, state_key
 from mbd_jax.config import DecodeConfig
 from mbd_jax.engine import Engine
 from mbd_jax.engine.pages import page_keys
@@ -144,6 +144,30 @@ def test_entry_of_another_layout_is_never_served(tmp_path):
     assert strict.get("k0") is None and strict.stats.corrupt == 1
     with pytest.raises(ValueError, match="not the expected"):
         strict.put("k1", np.zeros((3, 2, 8, 2, 8), np.float32))
+
+
+def test_state_snapshots_are_a_second_kind_with_their_own_layout(tmp_path):
+    """A hybrid's state snapshots (key: the block's and a suffix) are checked against their own
+    layout, survive a restart, and a lookup that needs one stops at the last block that has it."""
+    state = np.arange(6, dtype=np.float32).reshape(2, 3)
+    tokens = list(range(40))  # 5 blocks
+    store = PrefixStore("m", 8, ram_bytes=1 << 20, storage_path=tmp_path, disk_bytes=1 << 20)
+    store.expect(ENTRY, np.float32)
+    store.expect(state.shape, np.float32, kind="state")
+    keys = store.keys(tokens)
+    for i, key in enumerate(keys[:4]):
+        store.put(key, entry(i))
+    store.put(state_key(keys[1]), state)
+    with pytest.raises(ValueError, match=r"not the expected \(\(2, 3\), dtype\('float32'\)\)"):
+        store.put(state_key(keys[2]), np.zeros(ENTRY, np.float32))
+    found, got = store.lookup_with_state(tokens)
+    assert len(found) == 2 and np.array_equal(got, state) and store.stats.hits == 2
+    assert store.stats.misses == 3  # five blocks asked, two usable
+    store.flush()
+    again = PrefixStore("m", 8, ram_bytes=0, storage_path=tmp_path, disk_bytes=1 << 20)
+    again.expect(ENTRY, np.float32)
+    again.expect((2, 4), np.float32, kind="state")  # another layout: the file is not served
+    assert again.lookup_with_state(tokens) == ([], None) and again.stats.corrupt == 1
 
 
 def test_disk_index_answers_without_touching_the_directory(tmp_path, monkeypatch):

@@ -10,6 +10,10 @@ After every decode call the engine thread calls `after_decode`:
      overlapped with the decode call that ran in between, so the drain thread (np.asarray, then
      the store's RAM and disk tiers) finds it ready.
 
+A hybrid model's rows also stage a snapshot of their recurrent state whenever a call stages
+their blocks up to their committed boundary (the state there is the row's current one), into a
+second buffer of one snapshot per row that travels with the first (`states`).
+
 When the engine goes idle (`idle`), the last staged buffer is handed over at once: no later call
 would. The engine thread never waits: when the drain thread is still busy with the buffer the engine
 would fill next, the call stages nothing (`deferred_calls`) and its blocks wait for a later call;
@@ -29,7 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from mbd_jax.cache.prefix_store import PrefixStore
+from mbd_jax.cache.prefix_store import PrefixStore, state_key
 
 
 @dataclasses.dataclass
@@ -37,6 +41,8 @@ class _Staged:
     call: int  # the decode call whose committed blocks it holds
     buffer: jax.Array  # [max_blocks, L, 2, blk, K, Dh] on device, its host copy under way
     keys: list[str]  # one per used slot
+    states: jax.Array | None = None  # [B, *state entry] on device (hybrids), copy under way
+    state_keys: list[str] = dataclasses.field(default_factory=list)  # one per used state slot
     handed: bool = False  # given to the drain thread
     drained: threading.Event = dataclasses.field(default_factory=threading.Event)
 
@@ -45,6 +51,7 @@ class _Staged:
 class OffloadStats:
     staged_blocks: int = 0
     drained_blocks: int = 0
+    staged_states: int = 0  # hybrids: recurrent state snapshots (drained with their buffer)
     blocking_waits: int = 0  # the engine thread waited for the drain thread (never, by design)
     deferred_calls: int = 0  # calls that staged nothing: both buffers were still being drained
     drains_not_ready: int = 0  # the drain thread found a copy still in flight
@@ -53,14 +60,18 @@ class OffloadStats:
 
 class KVOffloader:
     def __init__(self, store: PrefixStore, gather: Callable[..., jax.Array], empty: Callable[[], jax.Array],
-                 batch_size: int, max_blocks: int):
+                 batch_size: int, max_blocks: int,
+                 states: tuple[Callable[..., jax.Array], Callable[[], jax.Array]] | None = None):
         """gather(staging, kv, rows[n], starts[n]) -> staging (jitted, staging donated);
-        empty() -> a zero staging buffer."""
+        empty() -> a zero staging buffer; `states` (hybrids): (gather_states(staging, kv,
+        rows[B]) -> staging, empty_states()) for the state snapshots."""
         self.store = store
         self.block_size = store.block_size
         self.max_blocks = max_blocks
         self._gather = gather
         self._buffers = [empty(), empty()]
+        self._gather_states = states[0] if states is not None else None
+        self._state_buffers = [states[1](), states[1]()] if states is not None else [None, None]
         self._staged: list[_Staged | None] = [None, None]
         self._next = 0  # the staging buffer the next call fills
         self._last: _Staged | None = None  # the most recently staged
@@ -85,6 +96,10 @@ class KVOffloader:
         idx = np.zeros(self.max_blocks, np.int32)
         self._buffers[0] = self._gather(self._buffers[0], kv, idx, idx)
         jax.block_until_ready(self._buffers[0])
+        if self._gather_states is not None:
+            rows = np.zeros(self._state_buffers[0].shape[0], np.int32)
+            self._state_buffers[0] = self._gather_states(self._state_buffers[0], kv, rows)
+            jax.block_until_ready(self._state_buffers[0])
 
     def reset_row(self, row: int, blocks_present: int) -> None:
         """A new request took `row`; its first `blocks_present` blocks came from the store."""
@@ -107,6 +122,7 @@ class KVOffloader:
             self.stats.deferred_calls += 1  # this call's blocks wait for a later call
             return
         rows, starts, keys = [], [], []
+        state_rows, state_keys = [], []
         for row in range(len(cached_len)):
             done_blocks = int(cached_len[row]) // self.block_size
             first = int(self.offloaded[row])
@@ -122,21 +138,36 @@ class KVOffloader:
                 starts.append(b * self.block_size)
                 keys.append(row_keys[b])
             self.offloaded[row] = take
+            # the row's state is the one after its committed blocks: a snapshot of the boundary
+            # this call stages up to, when that is where its blocks end
+            if (self._gather_states is not None and take == done_blocks
+                    and state_key(row_keys[take - 1]) not in self.store):
+                state_rows.append(row)
+                state_keys.append(state_key(row_keys[take - 1]))
             if len(rows) == self.max_blocks:
                 break
-        if rows:
-            self._stage(rows, starts, keys, kv)
+        if rows or state_rows:
+            self._stage(rows, starts, keys, kv, state_rows, state_keys)
 
-    def _stage(self, rows: list[int], starts: list[int], keys: list[str], kv: Any) -> None:
+    def _stage(self, rows: list[int], starts: list[int], keys: list[str], kv: Any,
+               state_rows: list[int], state_keys: list[str]) -> None:
         s = self._next
         pad = self.max_blocks - len(rows)
         buf = self._gather(self._buffers[s], kv, np.array(rows + [0] * pad, np.int32),
                            np.array(starts + [0] * pad, np.int32))
         buf.copy_to_host_async()
         self._buffers[s] = buf
-        self._staged[s] = self._last = _Staged(self._calls, buf, keys)
+        states = None
+        if state_rows:
+            states = self._state_buffers[s]
+            pad = states.shape[0] - len(state_rows)
+            states = self._gather_states(states, kv, np.array(state_rows + [0] * pad, np.int32))
+            states.copy_to_host_async()
+            self._state_buffers[s] = states
+        self._staged[s] = self._last = _Staged(self._calls, buf, keys, states, state_keys)
         self._event("staged", self._calls)
         self.stats.staged_blocks += len(keys)
+        self.stats.staged_states += len(state_keys)
         self._next = 1 - s
 
     def idle(self) -> None:
@@ -186,6 +217,10 @@ class KVOffloader:
             host = np.asarray(staged.buffer)
             for i, key in enumerate(staged.keys):
                 self.store.put(key, host[i].copy())
+            if staged.state_keys:
+                snapshots = np.asarray(staged.states)
+                for i, key in enumerate(staged.state_keys):
+                    self.store.put(key, snapshots[i].copy())
             self.stats.drained_blocks += len(staged.keys)
             with self._work:
                 self._queue.pop(0)

@@ -6,7 +6,10 @@ so a key names a block *and everything before it*: two prompts share block i's e
 their first (i+1)*blk tokens are equal, which is exactly when the exact KV is equal. An entry is
 one block's cache entries as one array whose shape and dtype the model's cache names
 (`entry_shape`, model/kv_cache.py; the engine passes them to `expect`): the store never looks
-inside.
+inside. A hybrid model's entries come in a second kind: the recurrent state after a block
+(`state_key(key)`: the block's key and a suffix; `state_entry_shape`), kept only at some block
+boundaries (where a row's committed blocks ended when they were staged), so a lookup that
+needs one stops at the last boundary that has it.
 
 Two tiers. RAM: a byte-capped LRU. Disk (`storage_path`): one file per key written atomically
 (temp file + rename), a byte cap (oldest files go first) and a TTL; it survives restarts. The
@@ -65,6 +68,19 @@ def _dtype(name: str) -> np.dtype:
         return np.dtype(getattr(ml_dtypes, name))
 
 
+STATE_SUFFIX = ".state"
+
+
+def state_key(key: str) -> str:
+    """The key of the recurrent state after the block keyed `key` (hybrid models)."""
+    return key + STATE_SUFFIX
+
+
+def _kind(key: str) -> str:
+    """An entry's kind from its key: '' (a block's KV) or 'state' (a state snapshot)."""
+    return key.partition(".")[2]
+
+
 def block_keys(model_id: str, tokens: Sequence[int], block_size: int,
                known: Sequence[str] = ()) -> list[str]:
     """The chained key of every full block of `tokens`; `known` (keys of its leading blocks,
@@ -114,7 +130,8 @@ class PrefixStore:
         self.stats = StoreStats()
         self._ram: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self.entry_spec: tuple[tuple[int, ...], np.dtype] | None = None  # (shape, dtype) or any
+        # per entry kind ('' or 'state'): its (shape, dtype); a kind not named: any
+        self.entry_spec: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
         self._disk: pathlib.Path | None = None
         self._disk_warned = False
         # disk index: key -> (bytes, mtime), oldest first; guarded by _lock
@@ -152,13 +169,14 @@ class PrefixStore:
         self.stats.disk_bytes = sum(size for size, _ in self._index.values())
         self.stats.disk_entries = len(self._index)
 
-    def expect(self, shape: Sequence[int], dtype: Any) -> None:
-        """Entries must have this shape and dtype (the engine's block layout): others read from
-        disk are corrupt, and puts of others are refused."""
-        self.entry_spec = (tuple(int(d) for d in shape), np.dtype(dtype))
+    def expect(self, shape: Sequence[int], dtype: Any, kind: str = "") -> None:
+        """Entries of `kind` ('': blocks, 'state': state snapshots) must have this shape and
+        dtype (the engine's layout): others read from disk are corrupt, puts of others refused."""
+        self.entry_spec[kind] = (tuple(int(d) for d in shape), np.dtype(dtype))
 
-    def _fits(self, entry: np.ndarray) -> bool:
-        return self.entry_spec is None or (entry.shape, entry.dtype) == self.entry_spec
+    def _fits(self, key: str, entry: np.ndarray) -> bool:
+        spec = self.entry_spec.get(_kind(key))
+        return spec is None or (entry.shape, entry.dtype) == spec
 
     # ------------------------------------------------------------------ lookups
     def keys(self, tokens: Sequence[int], known: Sequence[str] = ()) -> list[str]:
@@ -181,6 +199,24 @@ class PrefixStore:
         if count:
             self.record(len(found), len(keys) - len(found))
         return found
+
+    def lookup_with_state(self, tokens: Sequence[int], max_blocks: int | None = None,
+                          count: bool = True) -> tuple[list[np.ndarray], np.ndarray | None]:
+        """A hybrid's lookup: the longest run of stored blocks of `tokens` from the first one
+        that ends at a block with a state snapshot, and that snapshot (([], None): none)."""
+        keys = self.keys(tokens)[:max_blocks]
+        found: list[np.ndarray] = []
+        for key in keys:
+            entry = self.get(key)
+            if entry is None:
+                break
+            found.append(entry)
+        state = None
+        while found and (state := self.get(state_key(keys[len(found) - 1]))) is None:
+            found.pop()
+        if count:
+            self.record(len(found), len(keys) - len(found))
+        return found, state
 
     def record(self, hits: int, misses: int) -> None:
         """Counts a lookup's blocks found and missed."""
@@ -209,9 +245,9 @@ class PrefixStore:
     def put(self, key: str, entry: np.ndarray) -> None:
         """Stores one block's KV in RAM and queues its disk write (a key already present is left
         alone; with a full write queue the disk copy is dropped)."""
-        if not self._fits(entry):
+        if not self._fits(key, entry):
             raise ValueError(f"prefix store entry {entry.shape} {entry.dtype} is not the "
-                             f"expected {self.entry_spec}")
+                             f"expected {self.entry_spec.get(_kind(key))}")
         with self._lock:
             in_ram = key in self._ram
         if not in_ram:
@@ -349,7 +385,7 @@ class PrefixStore:
             self._drop(key, corrupt=False, count=False)
             return None
         entry = self._decode(key, data)
-        if entry is None or not self._fits(entry):
+        if entry is None or not self._fits(key, entry):
             log.warning("prefix cache: entry %s is corrupt, truncated or not this model's layout; "
                         "ignored and removed", key)
             self._drop(key, corrupt=True)

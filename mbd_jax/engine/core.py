@@ -449,9 +449,15 @@ class Engine:
                          keys=keys)
 
     def _index_prompts(self, adm: Admission) -> None:
-        """The admitted prompts are prefilled: their whole pages join the pool's prefix index."""
+        """The admitted prompts are prefilled: their whole pages join the pool's prefix index;
+        a hybrid's prompt blocks are staged for the prefix store now, with the state snapshot at
+        their end (the first decode call may commit past it, and a snapshot is only taken where
+        a row's committed blocks end)."""
         for row, keys in adm.keys.items():
             self.pages.register(row, keys)
+        if self.offloader is not None and self._prefix.hybrid:
+            cached_len, canvas = jax.device_get((adm.fresh.cached_len, adm.fresh.canvas))
+            self.offloader.after_decode(self.kv, np.where(adm.rows, cached_len, 0), canvas)
 
     def prefill_step(self, adm: Admission) -> bool:
         """The next prefill chunk of every admitted row with prompt blocks left; True once all

@@ -27,6 +27,7 @@ class PrefixHit:
     tokens: int  # prompt positions [0, tokens) are covered (`after`: nothing found)
     chunks: list[tuple[int, jax.Array]]  # (start, cache entries of T positions), T a prefill bucket
     asked: int = 0  # blocks looked up (found: (tokens - after) / block size)
+    state: jax.Array | None = None  # a hybrid's recurrent state after the found blocks
 
 
 class PrefixGlue:
@@ -39,10 +40,6 @@ class PrefixGlue:
         if store.block_size != cfg.block_size:
             raise UserError(f"prefix store block size {store.block_size} != the model's "
                             f"{cfg.block_size}")
-        if cfg.sequence_module is not None:
-            raise UserError(f"model {cfg.name}: the prefix cache does not hold a hybrid's "
-                            "recurrent states yet (field 'sequence_module'); disable "
-                            "cache.enabled for it")
         if jax.process_count() > 1:
             raise UserError("the prefix cache runs on one process; disable cache.enabled for "
                             "a multi-process launch")
@@ -57,7 +54,20 @@ class PrefixGlue:
             rows, starts, cfg.block_size), donate_argnums=0, out_shardings=replicated)
         staging = (blocks_per_call, *block)
         empty = jax.jit(lambda: jnp.zeros(staging, self.dtype), out_shardings=replicated)
-        self.offloader = KVOffloader(store, gather, empty, batch_size, blocks_per_call)
+        # A hybrid's rows also need their recurrent state at the boundary a hit ends on: the
+        # store keeps snapshots beside the blocks (one per row and staging, at most).
+        snapshot = cache.state_entry_shape(cfg)
+        self.hybrid = snapshot is not None
+        states = None
+        if self.hybrid:
+            store.expect(snapshot, np.float32, kind="state")
+            self._load_state = jax.jit(lambda kv, entry, row: kv.load_state(entry, row),
+                                       donate_argnums=0, out_shardings=kv_sharding)
+            states = (jax.jit(lambda staging, kv, rows: kv.gather_states(rows), donate_argnums=0,
+                              out_shardings=replicated),
+                      jax.jit(lambda: jnp.zeros((batch_size, *snapshot), jnp.float32),
+                              out_shardings=replicated))
+        self.offloader = KVOffloader(store, gather, empty, batch_size, blocks_per_call, states)
 
     def prefetch(self, prompt: Sequence[int], after: int = 0) -> PrefixHit:
         """Looks a prompt's leading full blocks up and starts the transfer of those from position
@@ -65,7 +75,11 @@ class PrefixGlue:
         Not counted in the store's stats: `load` counts the lookup it uses."""
         blk = self.cfg.block_size
         first, last = after // blk, len(prompt) // blk
-        entries = self.store.lookup(prompt, max_blocks=last, first=first, count=False)
+        state = None
+        if self.hybrid:  # from the first block (no shared pages), to a block with a snapshot
+            entries, state = self.store.lookup_with_state(prompt, max_blocks=last, count=False)
+        else:
+            entries = self.store.lookup(prompt, max_blocks=last, first=first, count=False)
         per_chunk = self._prefill_chunk // blk
         chunks = []
         for start in range(0, len(entries), per_chunk):
@@ -73,7 +87,8 @@ class PrefixGlue:
             span = self.cache.join(part, self._bucket_of(len(part) * blk))  # padded to a bucket
             chunks.append((after + start * blk, self._put(span)))
         return PrefixHit(after=after, tokens=after + len(entries) * blk, chunks=chunks,
-                         asked=max(last - first, 0))
+                         asked=max(last - first, 0),
+                         state=None if state is None else self._put(state))
 
     def load(self, kv: Any, row: int, prompt: np.ndarray, hit: PrefixHit | None,
              after: int = 0) -> tuple[Any, int]:
@@ -88,6 +103,8 @@ class PrefixGlue:
         self.store.record(found, hit.asked - found)
         for chunk_start, blocks in hit.chunks:
             kv = self._load(kv, blocks, np.int32(row), np.int32(chunk_start))
+        if hit.state is not None:
+            kv = self._load_state(kv, hit.state, np.int32(row))
         tokens = hit.tokens
         self.offloader.reset_row(row, tokens // self.cfg.block_size)
         return kv, tokens
@@ -96,4 +113,8 @@ class PrefixGlue:
         """Compiles loading `tokens` cached positions (a bucket) into a row (row 0, before any
         request)."""
         entries = np.zeros(self.cache.entry_shape(self.cfg, tokens), self.dtype)
-        return self._load(kv, self._put(entries), np.int32(0), np.int32(0))
+        kv = self._load(kv, self._put(entries), np.int32(0), np.int32(0))
+        if self.hybrid:
+            snapshot = np.zeros(self.cache.state_entry_shape(self.cfg), np.float32)
+            kv = self._load_state(kv, self._put(snapshot), np.int32(0))
+        return kv

@@ -12,6 +12,9 @@ class's interface:
   array (what the prefix store keeps per block); `gather` takes them out of the cache for several
   (row, start) pairs at once, `join` makes one span of consecutive stored ones, `load` puts a
   span into one row;
+- `state_entry_shape(cfg)` (None without linear layers): one row's recurrent state at its
+  committed boundary as one float32 host array (the prefix store's state snapshot);
+  `gather_states` takes it out for several rows, `load_state` puts one into a row;
 - `write(layer, k, v, meta)`, `layer(i)` and `span(...)`: what the attention layer does with it,
   where `meta` (model/forward_meta.py) says which cache row each input row is, where its new
   entries go and which rows store them.
@@ -40,9 +43,10 @@ the convolution's input `tail` [B, W - 1, C] per layer, in the same two forms
 (`recurrent(layer)`, `write_recurrent(...)`). Each kind holds entries for its own layers only:
 `layer(i)` and `recurrent(i)` take the model's layer index and find its slot (`kv_slots`,
 `state_slots`: static, per layer; a traced index looks its slot up). A row whose committed length
-is 0 reads zeros, so a reused row never sees its last request's state. Not yet: the state in the
-prefix store's entries (the engine runs hybrids without the store and without shared prefix
-pages).
+is 0 reads zeros, so a reused row never sees its last request's state. For the prefix store a
+row's states flatten to one [Ll, Hv * Dk * Dv + (W - 1) * C] float32 snapshot (the tail cast up
+and back exactly); shared prefix pages of the pool hold no state, so the engine does not share
+them for a hybrid.
 """
 
 from __future__ import annotations
@@ -188,6 +192,46 @@ class KVCache:
         them): what `load` takes for a run of stored blocks."""
         span = np.concatenate(entries, axis=2)  # the token axis of entry_shape
         return np.pad(span, [(0, 0), (0, 0), (0, tokens - span.shape[2]), (0, 0), (0, 0)])
+
+    @staticmethod
+    def state_entry_shape(cfg: ModelConfig) -> tuple[int, ...] | None:
+        """One row's recurrent state snapshot, [Ll, Hv * Dk * Dv + (W - 1) * C] float32 (Ll: the
+        linear layers); None for a model without them."""
+        sm = cfg.sequence_module
+        if sm is None:
+            return None
+        channels = 2 * sm.num_key_heads * sm.key_head_dim + sm.num_value_heads * sm.value_head_dim
+        size = sm.num_value_heads * sm.key_head_dim * sm.value_head_dim + (sm.conv_kernel - 1) * channels
+        return (sum(s >= 0 for s in layer_slots(cfg)[1]), size)
+
+    def _state_layers(self) -> list[tuple[jax.Array, jax.Array]]:
+        """(state [B, Hv, Dk, Dv], tail [B, W - 1, C]) of every linear layer, in slot order."""
+        if isinstance(self.state, tuple):
+            return list(zip(self.state, self.tail))
+        return [(self.state[i], self.tail[i]) for i in range(self.state.shape[0])]
+
+    def gather_states(self, rows: jax.Array) -> jax.Array:
+        """Rows `rows`' ([n]) snapshots: [n, *state_entry_shape(cfg)] float32."""
+        flat = [jnp.concatenate([s[rows].reshape(len(rows), -1),
+                                 t[rows].reshape(len(rows), -1).astype(jnp.float32)], axis=1)
+                for s, t in self._state_layers()]
+        return jnp.stack(flat, axis=1)
+
+    def load_state(self, entry: jax.Array, row: jax.Array) -> KVCache:
+        """Row `row` takes the snapshot `entry` ([*state_entry_shape(cfg)]) as its state."""
+        if not isinstance(self.state, tuple):  # stacked: [Ll, B, ...]
+            n = int(np.prod(self.state.shape[2:]))
+            return self.replace(
+                state=self.state.at[:, row].set(
+                    entry[:, :n].reshape(-1, *self.state.shape[2:]).astype(self.state.dtype)),
+                tail=self.tail.at[:, row].set(
+                    entry[:, n:].reshape(-1, *self.tail.shape[2:]).astype(self.tail.dtype)))
+        states, tails = [], []
+        for i, (s, t) in enumerate(self._state_layers()):
+            n = int(np.prod(s.shape[1:]))
+            states.append(s.at[row].set(entry[i, :n].reshape(s.shape[1:]).astype(s.dtype)))
+            tails.append(t.at[row].set(entry[i, n:].reshape(t.shape[1:]).astype(t.dtype)))
+        return self.replace(state=tuple(states), tail=tuple(tails))
 
     def with_table(self, table: jax.Array) -> KVCache:
         """The same pool read through another page table ([B, capacity / page] int32)."""
