@@ -111,8 +111,9 @@ class KVOffloader:
         self._event("decode", self._calls)
 
     def after_decode(self, kv: Any, cached_len: np.ndarray, canvas: np.ndarray) -> None:
-        """Engine thread, right after a decode call: stage the blocks each row committed since
-        (free rows have none), then hand the previous staging buffer to the drain thread."""
+        """Engine thread, right after a call that committed blocks (a decode call; a hybrid's
+        prefill round): stage the blocks each row committed since (free rows have none), then
+        hand the previous staging buffer to the drain thread."""
         self._calls += 1
         prev = self._last  # staged after the previous call: its copy overlapped this call
         if prev is not None and not prev.handed:

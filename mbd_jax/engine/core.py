@@ -449,15 +449,21 @@ class Engine:
                          keys=keys)
 
     def _index_prompts(self, adm: Admission) -> None:
-        """The admitted prompts are prefilled: their whole pages join the pool's prefix index;
-        a hybrid's prompt blocks are staged for the prefix store now, with the state snapshot at
-        their end (the first decode call may commit past it, and a snapshot is only taken where
-        a row's committed blocks end)."""
+        """The admitted prompts are prefilled: their whole pages join the pool's prefix index."""
         for row, keys in adm.keys.items():
             self.pages.register(row, keys)
-        if self.offloader is not None and self._prefix.hybrid:
-            cached_len, canvas = jax.device_get((adm.fresh.cached_len, adm.fresh.canvas))
-            self.offloader.after_decode(self.kv, np.where(adm.rows, cached_len, 0), canvas)
+
+    def _stage_prefilled(self, adm: Admission) -> None:
+        """A hybrid's rows after a prefill round: the prompt blocks written so far go to the
+        prefix store with a snapshot of the state after them. A row's state exists only at its
+        committed end, so this is where prompts get snapshots: one per round (every
+        prefill_chunk tokens of a long prompt, and the prompt's last full block), before the
+        first decode call commits past them."""
+        admitted = np.flatnonzero(adm.rows)
+        canvas = np.zeros((self.batch_size, max(len(adm.prompts[r]) for r in admitted)), np.int32)
+        for r in admitted:
+            canvas[r, : len(adm.prompts[r])] = adm.prompts[r]
+        self.offloader.after_decode(self.kv, np.where(adm.rows, adm.start, 0), canvas)
 
     def prefill_step(self, adm: Admission) -> bool:
         """The next prefill chunk of every admitted row with prompt blocks left; True once all
@@ -466,6 +472,8 @@ class Engine:
         for call in calls:
             self._prefill_call(adm.prompts, adm.full_len, adm.start, call)
         adm.start = after
+        if calls and self.offloader is not None and self._prefix.hybrid:
+            self._stage_prefilled(adm)
         return adm.prefilled
 
     def finish_admit(self, state: DecodeState, adm: Admission) -> DecodeState:
