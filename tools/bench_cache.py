@@ -71,13 +71,16 @@ def main() -> None:
             if int(cached) + int(to_cache) * blk > full or bool(done):
                 return time.perf_counter() - t0
 
-    miss, hit = [], []
+    miss, hit, hit_tokens = [], [], []
     for _ in range(args.repeats):
         prefix = draw(args.prefix_len)
         miss.append(first_block(prefix + draw(args.question_len)))
         engine.offloader.flush()
+        before = engine.prefix_hit_tokens
         hit.append(first_block(prefix + draw(args.question_len)))
+        hit_tokens.append(engine.prefix_hit_tokens - before)
         engine.offloader.flush()
+    states = engine.offloader.stats.staged_states  # a hybrid's snapshots
     engine.offloader.close()
 
     # ---- decode tokens/s, persistence off vs on (alternating; fresh prompts per repeat, the same
@@ -111,6 +114,7 @@ def main() -> None:
     report = {
         "model": cfg.name, "prefix_len": args.prefix_len, "repeats": args.repeats,
         "first_block_s": {"miss": med(miss), "hit": med(hit), "speedup": med(miss) / med(hit)},
+        "hit_tokens": hit_tokens, "staged_states": states,
         "decode_tokens_per_s": {"off": med(rates["off"]), "on": med(rates["on"]),
                                 "ratio_on_off": med(rates["on"]) / med(rates["off"])},
         "offload": {"staged_blocks": off_stats.staged_blocks,
@@ -124,6 +128,7 @@ def main() -> None:
           f"| measure | off / miss | on / hit | ratio |\n|---|---|---|---|\n"
           f"| time to first block (s) | {fb['miss']:.3f} | {fb['hit']:.3f} | "
           f"{fb['speedup']:.2f}x faster |\n"
+          f"| prompt tokens a hit loaded (median) | - | {med(hit_tokens):.0f} | |\n"
           f"| decode tokens/s (batch {args.batch}) | {dr['off']:.1f} | {dr['on']:.1f} | "
           f"{dr['ratio_on_off']:.3f} |\n"
           f"offload: {off_stats.staged_blocks} blocks staged, {off_stats.blocking_waits} blocking "

@@ -17,8 +17,9 @@ second buffer of one snapshot per row that travels with the first (`states`).
 When the engine goes idle (`idle`), the last staged buffer is handed over at once: no later call
 would. The engine thread never waits: when the drain thread is still busy with the buffer the engine
 would fill next, the call stages nothing (`deferred_calls`) and its blocks wait for a later call;
-the store's own disk writes run on its writer thread. `blocking_waits` stays 0 (kept as a
-metric, so a regression shows). Transfers are issued only from the engine thread.
+the store's own disk writes run on its writer thread. `blocking_waits` stays 0 for decode
+calls (kept as a metric, so a regression shows); only a hybrid's prefill rounds wait, rather than
+lose the state snapshot of their boundary. Transfers are issued only from the engine thread.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class OffloadStats:
     staged_blocks: int = 0
     drained_blocks: int = 0
     staged_states: int = 0  # hybrids: recurrent state snapshots (drained with their buffer)
-    blocking_waits: int = 0  # the engine thread waited for the drain thread (never, by design)
+    blocking_waits: int = 0  # the engine thread waited for the drain thread (a hybrid's prefill only)
     deferred_calls: int = 0  # calls that staged nothing: both buffers were still being drained
     drains_not_ready: int = 0  # the drain thread found a copy still in flight
     queue_depth: int = 0  # staged buffers not yet drained
@@ -110,18 +111,24 @@ class KVOffloader:
         """The engine dispatched a decode call (for the overlap timeline)."""
         self._event("decode", self._calls)
 
-    def after_decode(self, kv: Any, cached_len: np.ndarray, canvas: np.ndarray) -> None:
+    def after_decode(self, kv: Any, cached_len: np.ndarray, canvas: np.ndarray,
+                     wait: bool = False) -> None:
         """Engine thread, right after a call that committed blocks (a decode call; a hybrid's
         prefill round): stage the blocks each row committed since (free rows have none), then
-        hand the previous staging buffer to the drain thread."""
+        hand the previous staging buffer to the drain thread. `wait`: when both buffers are
+        still draining, wait for one (counted in blocking_waits) instead of deferring: a
+        hybrid's prefill rounds, whose state snapshots a later call could not take."""
         self._calls += 1
         prev = self._last  # staged after the previous call: its copy overlapped this call
         if prev is not None and not prev.handed:
             self._hand_over(prev)
         old = self._staged[self._next]
         if old is not None and not old.drained.is_set():  # the drain thread still reads it
-            self.stats.deferred_calls += 1  # this call's blocks wait for a later call
-            return
+            if not wait:
+                self.stats.deferred_calls += 1  # this call's blocks wait for a later call
+                return
+            self.stats.blocking_waits += 1
+            old.drained.wait()  # handed over already: it was staged before the last staging
         rows, starts, keys = [], [], []
         state_rows, state_keys = [], []
         for row in range(len(cached_len)):

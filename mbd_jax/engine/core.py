@@ -463,7 +463,7 @@ class Engine:
         canvas = np.zeros((self.batch_size, max(len(adm.prompts[r]) for r in admitted)), np.int32)
         for r in admitted:
             canvas[r, : len(adm.prompts[r])] = adm.prompts[r]
-        self.offloader.after_decode(self.kv, np.where(adm.rows, adm.start, 0), canvas)
+        self.offloader.after_decode(self.kv, np.where(adm.rows, adm.start, 0), canvas, wait=True)
 
     def prefill_step(self, adm: Admission) -> bool:
         """The next prefill chunk of every admitted row with prompt blocks left; True once all
