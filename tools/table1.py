@@ -4,8 +4,9 @@
                            [--bd tiny-bd] [--mbd tiny-mbd]
 
 Rows: SingleBD (the BD model, N_buf 1), training-free MultiBD (the BD model, N_buf 2), MBD (the
-MultiTF model, N_buf 2), MBD with the edit sampling mode and with the factor policy, and the
-MultiTF model with SingleBD for reference. Columns: accuracy, TPF, tokens/s per task and pooled
+MultiTF model, N_buf 2), MBD with the edit sampling mode, with the factor policy and with the
+thinking switch on (the same questions; the answer after the worked trace is checked, and the
+trace's tokens count as output), and the MultiTF model with SingleBD for reference. Columns: accuracy, TPF, tokens/s per task and pooled
 over every task's held-out split (`limit` prompts per task, the chat format). The main table
 uses accept threshold 0.95; every threshold in --thresholds gives one point of the
 accuracy-vs-TPF plot (rows with the threshold policy). --bd / --mbd take any model (a run's
@@ -22,13 +23,14 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-ROWS = [  # (label, which model, N_buf, decode settings beyond the threshold policy's)
-    ("SingleBD", "bd", 1, {}),
-    ("training-free MultiBD", "bd", 2, {}),
-    ("MBD (MultiTF + MultiBD)", "mbd", 2, {}),
-    ("MBD, edit mode", "mbd", 2, {"sampling_mode": "edit"}),
-    ("MBD, factor policy", "mbd", 2, {"policy": "factor", "factor": 1.0}),
-    ("MultiTF model, SingleBD", "mbd", 1, {}),
+ROWS = [  # (label, which model, N_buf, decode settings beyond the threshold policy's, format)
+    ("SingleBD", "bd", 1, {}, "chat"),
+    ("training-free MultiBD", "bd", 2, {}, "chat"),
+    ("MBD (MultiTF + MultiBD)", "mbd", 2, {}, "chat"),
+    ("MBD, edit mode", "mbd", 2, {"sampling_mode": "edit"}, "chat"),
+    ("MBD, factor policy", "mbd", 2, {"policy": "factor", "factor": 1.0}, "chat"),
+    ("MBD, thinking on", "mbd", 2, {}, "thinking"),
+    ("MultiTF model, SingleBD", "mbd", 1, {}, "chat"),
 ]
 
 
@@ -60,21 +62,21 @@ def main() -> None:
     models = {"bd": load_model(args.bd), "mbd": load_model(args.mbd)}
     names = list(tasks.TASKS)
     out = []
-    for label, which, n_buf, extra in ROWS:
+    for label, which, n_buf, extra, fmt in ROWS:
         model = models[which]
         engine = Engine(model.cfg, model.params, batch_size=args.batch_size, buffer_size=n_buf,
                         tokenizer=model.tokenizer)
         engine.warmup()
-        sweep = thresholds if extra.get("policy", "threshold") == "threshold" else [
-            args.main_threshold]
+        sweep = thresholds if extra.get("policy", "threshold") == "threshold" and fmt == "chat" \
+            else [args.main_threshold]
         for tau in sweep:
             decode = table1_decode(n_buf, accept_threshold=tau,
                                    add_block_threshold=args.add_block_threshold,
                                    semi_complete_threshold=args.semi_complete_threshold,
                                    max_new_tokens=args.max_new_tokens, **extra)
-            reports = evaluate_tasks(model, decode, engine, limit=args.limit)
+            reports = evaluate_tasks(model, decode, engine, limit=args.limit, fmt=fmt)
             row = {"row": label, "model": str(model.path.parent), "buffer_size": n_buf,
-                   "accept_threshold": tau, **extra, **pool(reports),
+                   "accept_threshold": tau, "format": fmt, **extra, **pool(reports),
                    "tasks": {r.task: {"accuracy": r.accuracy, "tpf": r.tpf,
                                       "tokens_per_s": r.tokens_per_s} for r in reports}}
             out.append(row)
@@ -106,7 +108,7 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 4))
-        for label, _, _, _ in ROWS:
+        for label, *_ in ROWS:
             pts = [o for o in out if o["row"] == label]
             if len(pts) > 1:
                 ax.plot([p["tpf"] for p in pts], [100 * p["accuracy"] for p in pts], "o-",
