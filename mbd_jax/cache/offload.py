@@ -10,9 +10,12 @@ After every decode call the engine thread calls `after_decode`:
      overlapped with the decode call that ran in between, so the drain thread (np.asarray, then
      the store's RAM and disk tiers) finds it ready.
 
-A hybrid model's rows also stage a snapshot of their recurrent state whenever a call stages
-their blocks up to their committed boundary (the state there is the row's current one), into a
-second buffer of one snapshot per row that travels with the first (`states`).
+A hybrid model's rows also stage a snapshot of their recurrent state (the one after their
+committed blocks: a row has no other) when a prefill round or the call that finished the row
+stages their blocks up to that boundary, into a second buffer of one snapshot per row that
+travels with the first (`states`). Not after every decode call: at the tiny hybrid's sizes that
+cost 6% of decode tokens/s (docs/performance.md), and the boundaries a later prompt can hit are
+where a prompt's chunks and a reply end.
 
 When the engine goes idle (`idle`), the last staged buffer is handed over at once: no later call
 would. The engine thread never waits: when the drain thread is still busy with the buffer the engine
@@ -112,19 +115,20 @@ class KVOffloader:
         self._event("decode", self._calls)
 
     def after_decode(self, kv: Any, cached_len: np.ndarray, canvas: np.ndarray,
-                     wait: bool = False) -> None:
+                     finished: np.ndarray | None = None, prefill: bool = False) -> None:
         """Engine thread, right after a call that committed blocks (a decode call; a hybrid's
-        prefill round): stage the blocks each row committed since (free rows have none), then
-        hand the previous staging buffer to the drain thread. `wait`: when both buffers are
-        still draining, wait for one (counted in blocking_waits) instead of deferring: a
-        hybrid's prefill rounds, whose state snapshots a later call could not take."""
+        prefill round, `prefill`): stage the blocks each row committed since (free rows have
+        none), then hand the previous staging buffer to the drain thread. A hybrid's state
+        snapshots: every row of a prefill round, the `finished` rows ([B] bool) of a decode
+        call. A prefill round waits for a staging buffer when both are still draining (counted
+        in blocking_waits) instead of deferring: a later call could not take its snapshots."""
         self._calls += 1
         prev = self._last  # staged after the previous call: its copy overlapped this call
         if prev is not None and not prev.handed:
             self._hand_over(prev)
         old = self._staged[self._next]
         if old is not None and not old.drained.is_set():  # the drain thread still reads it
-            if not wait:
+            if not prefill:
                 self.stats.deferred_calls += 1  # this call's blocks wait for a later call
                 return
             self.stats.blocking_waits += 1
@@ -147,8 +151,9 @@ class KVOffloader:
                 keys.append(row_keys[b])
             self.offloaded[row] = take
             # the row's state is the one after its committed blocks: a snapshot of the boundary
-            # this call stages up to, when that is where its blocks end
+            # this call stages up to, when that is where its blocks end (prompts, replies)
             if (self._gather_states is not None and take == done_blocks
+                    and (prefill or (finished is not None and finished[row]))
                     and state_key(row_keys[take - 1]) not in self.store):
                 state_rows.append(row)
                 state_keys.append(state_key(row_keys[take - 1]))

@@ -339,7 +339,7 @@ class Engine:
         self.call_log.append((time.perf_counter() - t, steps))
         if self.offloader is not None:  # stage what this call committed; drain the last call's
             host = self.host_view(state)
-            self.offloader.after_decode(self.kv, host.cached_len, host.canvas)
+            self.offloader.after_decode(self.kv, host.cached_len, host.canvas, host.done)
         if self.debug:
             violations = jax.device_get(state.violations)
             if np.any(violations):
@@ -463,7 +463,8 @@ class Engine:
         canvas = np.zeros((self.batch_size, max(len(adm.prompts[r]) for r in admitted)), np.int32)
         for r in admitted:
             canvas[r, : len(adm.prompts[r])] = adm.prompts[r]
-        self.offloader.after_decode(self.kv, np.where(adm.rows, adm.start, 0), canvas, wait=True)
+        self.offloader.after_decode(self.kv, np.where(adm.rows, adm.start, 0), canvas,
+                                    prefill=True)
 
     def prefill_step(self, adm: Admission) -> bool:
         """The next prefill chunk of every admitted row with prompt blocks left; True once all
