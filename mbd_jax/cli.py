@@ -149,6 +149,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UserError("give at least one --prompt TEXT or --prompt-ids 1,2,3")
     if any(t == "" for t in prompts_text):
         raise UserError("--prompt: empty prompt; give some text")
+    if args.thinking and not args.chat:
+        raise UserError("--thinking switches the chat template's thinking section on: add --chat")
     mesh = multihost.mesh_from_args(args)
     model = load_model(args.model, mesh=mesh, runtime=_runtime(args))
     if prompts_text and model.tokenizer is None:
@@ -157,7 +159,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from mbd_jax import chat
 
         template = chat.for_model(model.path.parent, model.cfg.chat_template)
-        prompts_text = [template.render([{"role": "user", "content": t}]) for t in prompts_text]
+        prompts_text = [template.render([{"role": "user", "content": t}], thinking=args.thinking)
+                        for t in prompts_text]
     prompts = [model.tokenizer.encode(t) for t in prompts_text] + prompts_ids
     record = (0, 0)
     if decode.voting is not None:  # record every step's prediction of the generated region
@@ -350,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-ids", action="append", help="prompt token ids, e.g. 1,2,3 (repeatable)")
     g.add_argument("--chat", action="store_true",
                    help="render each --prompt as a user turn in the model's chat template")
+    g.add_argument("--thinking", action="store_true",
+                   help="with --chat: thinking on (the reply is the reasoning, </think>, the answer)")
     g.add_argument("--batch-size", type=int, help="rows decoded together (default: #prompts, <= 8)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.add_argument("--profile", metavar="DIR", help="write a JAX profiler trace to DIR")
