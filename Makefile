@@ -47,7 +47,7 @@ bench: $(VENV)/.installed
 	$(BIN)/mbd-jax bench decode --buffer-size 1,2,4 --json
 
 ## make models: retrain the shipped tokenizer, tiny-bd and tiny-mbd from scratch (fixed seeds;
-## five stages, about 2 h 50 min on 2 CPU cores, see docs/training.md)
+## five stages, about 2 h 40 min on 2 CPU cores, see docs/training.md)
 models: $(VENV)/.installed
 	$(BIN)/python tools/train_tokenizer.py --tasks arith,sort,reverse,recall,sortrev --out configs/tokenizers/tasks --vocab 384
 	rm -rf runs/tiny-bd-base runs/tiny-bd-stage2 runs/tiny-bd-stage3 runs/tiny-bd runs/tiny-mbd
