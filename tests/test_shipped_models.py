@@ -33,14 +33,14 @@ LIMIT = 20  # held-out prompts per task in the chat format (100 in all)
 FORMAT_LIMIT = 8  # per task, for each other format
 # SingleBD (tiny-bd, N_buf 1) per task; measured arith 90, sort 100, reverse 100, recall 50, sortrev 100
 ACCURACY_FLOORS = {"arith": 0.8, "sort": 0.9, "reverse": 0.9, "recall": 0.4, "sortrev": 0.9}
-# the default model (MBD), pooled over the tasks; measured at 20 per task: system 80, multiturn 75,
-# raw 25 (raw text is its weak spot: docs/training.md)
-FORMAT_FLOORS = {"system": 0.65, "multiturn": 0.6, "raw": 0.1}
-TPF_GAIN_FLOOR = 1.35  # MBD (tiny-mbd, N_buf 2) over SingleBD, pooled (measured 1.49)
-EDIT_FLOOR = 0.7  # MBD in the edit sampling mode, pooled (measured 85 against 86 without it)
+# the default model (MBD), pooled over the tasks; measured at 20 per task: system 84, multiturn 77,
+# raw 24 (raw text is its weak spot: docs/training.md), thinking 54 (sort 85, reverse 100, recall
+# 40, sortrev 45, arith 0: its column sums go wrong)
+FORMAT_FLOORS = {"system": 0.7, "multiturn": 0.6, "raw": 0.1, "thinking": 0.4}
+TPF_GAIN_FLOOR = 1.35  # MBD (tiny-mbd, N_buf 2) over SingleBD, pooled (measured 1.50)
+EDIT_FLOOR = 0.75  # MBD in the edit sampling mode, pooled (measured 87, as without it)
 # tiny-bd (SingleBD) with the thinking switch on, pooled; measured 56 (sort 90, reverse 100, recall
-# 35, sortrev 55, arith 0: its column traces still go wrong); tiny-mbd lost the thinking mode in
-# MultiTF (docs/training.md)
+# 35, sortrev 55, arith 0)
 THINKING_FLOOR = 0.4
 
 
@@ -90,9 +90,9 @@ def test_every_task_single_bd_floor_and_mbd_keeps_it_at_a_higher_tpf(engines):
         assert r.accuracy >= ACCURACY_FLOORS[r.task], (r.task, r.accuracy, r.wrong)
 
     single, mbd = pool(reports["single"]), pool(reports["mbd"])
-    # not below SingleBD, but for a few prompts: measured two in 100 below (86 against 88: an
-    # arith and a recall question)
-    assert mbd["correct"] >= single["correct"] - 3, [(r.task, r.accuracy) for r in reports["mbd"]]
+    # not below SingleBD, but for a prompt or two: measured one in 100 below (87 against 88, a
+    # sort question)
+    assert mbd["correct"] >= single["correct"] - 2, [(r.task, r.accuracy) for r in reports["mbd"]]
     assert mbd["tpf"] >= TPF_GAIN_FLOOR * single["tpf"], (single["tpf"], mbd["tpf"])
     # TPF counts the output up to and including EOS (the paper's), not tokens unmasked past it
     model, engine = engines["mbd"]
@@ -104,11 +104,12 @@ def test_every_task_single_bd_floor_and_mbd_keeps_it_at_a_higher_tpf(engines):
 
 @pytest.mark.parametrize("fmt", sorted(FORMAT_FLOORS))
 def test_every_way_a_question_arrives(engines, fmt):
-    """A system line first, an earlier answered turn first, or raw text with no template (what
-    /v1/completions and /generate send): the default model answers held-out questions."""
+    """A system line first, an earlier answered turn first, raw text with no template (what
+    /v1/completions and /generate send), or the thinking switch on: the default model answers
+    held-out questions."""
     model, engine = engines["mbd"]
     r = evaluate(model, "all", table1_decode(2), limit=FORMAT_LIMIT, engine=engine, fmt=fmt)
-    assert sorted(FORMAT_FLOORS) == sorted(set(tasks.FORMATS) - {"chat", "thinking"})
+    assert sorted(FORMAT_FLOORS) == sorted(set(tasks.FORMATS) - {"chat"})
     assert r.accuracy >= FORMAT_FLOORS[fmt], (fmt, r.accuracy, r.wrong)
 
 
@@ -118,8 +119,8 @@ def test_a_chat_with_a_system_prompt_and_a_second_turn(engines):
                 {"role": "assistant", "content": "3 5 8"},
                 {"role": "user", "content": "Reverse: p k z w"}]
     assert answer(engines, messages) == "w z k p"
-    messages[-1]["content"] = "What is 47+38?"  # (`Sort and reverse: 4 9 1 6` gets 9 6 5 1 now:
-    assert answer(engines, messages) == "47+38=85"  # the multiturn floor above counts such misses)
+    messages[-1]["content"] = "What is 47+38?"
+    assert answer(engines, messages) == "47+38=85"
 
 
 def test_edit_mode_keeps_the_answers(engines):
