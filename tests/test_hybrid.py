@@ -221,7 +221,9 @@ def test_the_prefix_store_serves_a_hybrid_exactly(tmp_path, mode, loop):
     reply's committed blocks. A prompt sent again, one sharing a part of it, and a second turn
     that repeats the first turn and its reply load their blocks and the state from it (RAM, then
     disk after a restart) and decode what a cold engine decodes, with the first forward's logits
-    within 1e-5; a hit stops at the last shared block that has a state."""
+    within 1e-5; a hit stops at the last shared block that has a state; a warm engine compiles
+    nothing for it."""
+    from mbd_jax import compile_stats
     from mbd_jax.cache.prefix_store import PrefixStore, state_key
     from tests.test_prefix_cache import first_step_logits
 
@@ -256,9 +258,10 @@ def test_the_prefix_store_serves_a_hybrid_exactly(tmp_path, mode, loop):
     keys = s1.keys(shared)
     assert all(state_key(keys[b]) in s1 for b in (1, 3, 4))  # prefill rounds end at 16, 32, 40
     assert state_key(keys[2]) not in s1 and state_key(keys[0]) not in s1
-    hits = warm.prefix_hit_tokens
+    hits, compiled = warm.prefix_hit_tokens, compile_stats.compiles()
     assert [r.token_ids for r in warm.generate([shared, other], d)] == [r.token_ids for r in first]
     assert warm.prefix_hit_tokens - hits == 80 and s1.stats.hits == 10  # 5 blocks each
+    assert compile_stats.compiles() == compiled  # loads and snapshots were compiled in warmup
     hits = warm.prefix_hit_tokens
     assert warm.generate([third], d)[0].token_ids == cold_third
     assert warm.prefix_hit_tokens - hits == 16  # 3 shared blocks, the last state after block 1

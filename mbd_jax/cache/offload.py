@@ -1,6 +1,7 @@
 """Double-buffered device-to-host persistence of committed KV blocks.
 
-After every decode call the engine thread calls `after_decode`:
+After every call that commits blocks (each decode call; a hybrid's prefill rounds) the engine
+thread calls `after_commit`:
 
   1. it picks the blocks committed since the last call (at most `max_blocks` per call; the rest
      wait for the next call), keys them by their tokens, and gathers their KV on device into
@@ -114,7 +115,7 @@ class KVOffloader:
         """The engine dispatched a decode call (for the overlap timeline)."""
         self._event("decode", self._calls)
 
-    def after_decode(self, kv: Any, cached_len: np.ndarray, canvas: np.ndarray,
+    def after_commit(self, kv: Any, cached_len: np.ndarray, canvas: np.ndarray,
                      finished: np.ndarray | None = None, prefill: bool = False) -> None:
         """Engine thread, right after a call that committed blocks (a decode call; a hybrid's
         prefill round, `prefill`): stage the blocks each row committed since (free rows have

@@ -339,7 +339,7 @@ class Engine:
         self.call_log.append((time.perf_counter() - t, steps))
         if self.offloader is not None:  # stage what this call committed; drain the last call's
             host = self.host_view(state)
-            self.offloader.after_decode(self.kv, host.cached_len, host.canvas, host.done)
+            self.offloader.after_commit(self.kv, host.cached_len, host.canvas, host.done)
         if self.debug:
             violations = jax.device_get(state.violations)
             if np.any(violations):
@@ -463,7 +463,7 @@ class Engine:
         canvas = np.zeros((self.batch_size, max(len(adm.prompts[r]) for r in admitted)), np.int32)
         for r in admitted:
             canvas[r, : len(adm.prompts[r])] = adm.prompts[r]
-        self.offloader.after_decode(self.kv, np.where(adm.rows, adm.start, 0), canvas,
+        self.offloader.after_commit(self.kv, np.where(adm.rows, adm.start, 0), canvas,
                                     prefill=True)
 
     def prefill_step(self, adm: Admission) -> bool:

@@ -76,7 +76,11 @@ class PrefixGlue:
         blk = self.cfg.block_size
         first, last = after // blk, len(prompt) // blk
         state = None
-        if self.hybrid:  # from the first block (no shared pages), to a block with a snapshot
+        if self.hybrid:
+            # From the first block (the pool shares no pages for a hybrid: they hold no state)
+            # to the last one found that has a state snapshot.
+            if after:
+                raise ValueError(f"a hybrid's prefix lookup starts at 0, not {after}")
             entries, state = self.store.lookup_with_state(prompt, max_blocks=last, count=False)
         else:
             entries = self.store.lookup(prompt, max_blocks=last, first=first, count=False)
