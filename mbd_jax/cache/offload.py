@@ -44,7 +44,8 @@ from mbd_jax.cache.prefix_store import PrefixStore, state_key
 @dataclasses.dataclass
 class _Staged:
     call: int  # the decode call whose committed blocks it holds
-    buffer: jax.Array  # [max_blocks, L, 2, blk, K, Dh] on device, its host copy under way
+    buffer: jax.Array | None  # [max_blocks, L, 2, blk, K, Dh] on device, host copy under way
+    # (None: the call staged state snapshots only)
     keys: list[str]  # one per used slot
     states: jax.Array | None = None  # [B, *state entry] on device (hybrids), copy under way
     state_keys: list[str] = dataclasses.field(default_factory=list)  # one per used state slot
@@ -166,11 +167,13 @@ class KVOffloader:
     def _stage(self, rows: list[int], starts: list[int], keys: list[str], kv: Any,
                state_rows: list[int], state_keys: list[str]) -> None:
         s = self._next
-        pad = self.max_blocks - len(rows)
-        buf = self._gather(self._buffers[s], kv, np.array(rows + [0] * pad, np.int32),
-                           np.array(starts + [0] * pad, np.int32))
-        buf.copy_to_host_async()
-        self._buffers[s] = buf
+        buf = None
+        if rows:  # a call may stage only state snapshots (its blocks were stored already)
+            pad = self.max_blocks - len(rows)
+            buf = self._gather(self._buffers[s], kv, np.array(rows + [0] * pad, np.int32),
+                               np.array(starts + [0] * pad, np.int32))
+            buf.copy_to_host_async()
+            self._buffers[s] = buf
         states = None
         if state_rows:
             states = self._state_buffers[s]
@@ -226,11 +229,13 @@ class KVOffloader:
                     return
                 staged = self._queue[0]
             self._event("drain", staged.call)
-            if not staged.buffer.is_ready():
+            copies = [b for b in (staged.buffer, staged.states) if b is not None]
+            if not all(b.is_ready() for b in copies):
                 self.stats.drains_not_ready += 1
-            host = np.asarray(staged.buffer)
-            for i, key in enumerate(staged.keys):
-                self.store.put(key, host[i].copy())
+            if staged.keys:
+                host = np.asarray(staged.buffer)
+                for i, key in enumerate(staged.keys):
+                    self.store.put(key, host[i].copy())
             if staged.state_keys:
                 snapshots = np.asarray(staged.states)
                 for i, key in enumerate(staged.state_keys):
