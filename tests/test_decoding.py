@@ -12,6 +12,7 @@ from mbd_jax.config import DecodeConfig
 from mbd_jax.decoding import block_buffer, loop
 from mbd_jax.engine import Engine, admission
 from mbd_jax.errors import UserError
+from mbd_jax.model.transformer import Transformer
 
 PROMPTS = [list(range(10, 10 + n)) for n in (3, 8, 13, 20)]  # partial and full prompt blocks
 
@@ -70,6 +71,35 @@ def test_a_finished_row_stops_setting_the_attention_length(engine4):
     want_2 = host.cached_len[2] + host.n_valid[2] * cfg.block_size
     assert meta.visible_len.tolist() == [1, 1, want_2, 1]
     assert meta.write.tolist() == [False, False, True, False]
+
+
+@pytest.mark.parametrize("first_block_only", [False, True])
+def test_a_one_slot_step_computes_the_first_block_alone_with_the_same_result(
+        cfg, params, engine4, first_block_only):
+    """While every live row has one valid slot, the loop's narrow step forwards only the first
+    block. It leaves the state as the full-window step does, and a cache that the following
+    steps read alike (the DUMMY slot's entries are past every visible length: later forwards
+    write them before anything reads them)."""
+    decode = DecodeConfig(max_new_tokens=20, buffer_size=2, add_block_threshold=0.5)
+    state = engine4.admit(engine4.empty_state(), {1: (PROMPTS[1], decode), 3: (PROMPTS[2], decode)})
+    assert bool(loop.one_slot(state))
+    apply_fn = Transformer(cfg, engine4.mesh).apply
+    step = jax.jit(lambda s, kv, narrow: loop.decode_step(
+        engine4.params, s, kv, apply_fn=apply_fn, cfg=cfg, n_slots=2, first_block_only=narrow),
+        static_argnums=2)
+    runs = []
+    for narrow in (False, first_block_only):
+        s, kv = step(state, engine4.kv, narrow)
+        trace = [s]
+        for _ in range(6):  # full-window steps from there: they read what the first one wrote
+            s, kv = step(s, kv, False)
+            trace.append(s)
+        runs.append(jax.device_get(trace))
+    assert max(int(t.n_valid.max()) for t in runs[0]) == 2  # MultiBD followed the first step
+    for want, got in zip(*runs):
+        for name in ("canvas", "n_valid", "n_to_cache", "cached_len", "n_unmasked", "done"):
+            np.testing.assert_array_equal(getattr(got, name), getattr(want, name), name)
+        np.testing.assert_allclose(got.logprob, want.logprob, atol=1e-5)
 
 
 def test_warm_engine_compiles_nothing_new(engine4):

@@ -320,6 +320,31 @@ def test_blocks_reach_the_store_when_the_engine_goes_idle():
     assert store.stats.hits == 4
 
 
+def test_a_resend_finds_blocks_still_on_their_way_to_the_store():
+    """The drain thread is slow here (every store write waits on a gate the test holds shut), so
+    the blocks of the first reply are staged but not stored when the same prompt comes again:
+    the lookup waits for the buffer that holds them (settle) and hits, whatever the drain
+    thread's pace; with the gate left shut it could not finish."""
+    store = PrefixStore("tiny", 8, ram_bytes=1 << 24)
+    engine = make_engine(store)
+    gate = threading.Event()
+    put = store.put
+
+    def slow_put(key, entry):
+        gate.wait()
+        put(key, entry)
+
+    store.put = slow_put
+    prompt = np.random.default_rng(11).integers(10, 500, size=35).tolist()  # 4 full blocks
+    d = DecodeConfig(buffer_size=2, max_new_tokens=8)
+    first = engine.generate([prompt], d)[0].token_ids
+    assert not any(k in store for k in store.keys(prompt))  # nothing stored yet
+    assert engine.offloader.stats.settle_waits == 0
+    threading.Timer(0.5, gate.set).start()  # the disk answers late
+    assert engine.generate([prompt], d)[0].token_ids == first
+    assert store.stats.hits == 4 and engine.offloader.stats.settle_waits == 1
+
+
 def test_a_lookup_is_counted_once_whether_prefetched_or_not():
     """The store's hit and miss counts (the hit-ratio metric) count each admission's lookup
     once: a prefetch that found nothing and the admission's own look do not both count."""

@@ -61,6 +61,7 @@ class OffloadStats:
     blocking_waits: int = 0  # the engine thread waited for the drain thread (a hybrid's prefill only)
     deferred_calls: int = 0  # calls that staged nothing: both buffers were still being drained
     drains_not_ready: int = 0  # the drain thread found a copy still in flight
+    settle_waits: int = 0  # lookups that waited for a staged buffer holding blocks they asked for
     queue_depth: int = 0  # staged buffers not yet drained
 
 
@@ -186,6 +187,24 @@ class KVOffloader:
         self.stats.staged_blocks += len(keys)
         self.stats.staged_states += len(state_keys)
         self._next = 1 - s
+
+    def settle(self, keys: set[str]) -> bool:
+        """Engine thread, before a prefix lookup: a staging buffer that holds any of `keys`
+        (blocks or state snapshots that recent calls committed and the store does not hold yet)
+        is handed to the drain thread now if it was not, and waited for, so the lookup finds
+        what this engine already computed whatever the drain thread's timing. Returns whether
+        it waited (counted in settle_waits)."""
+        waited = False
+        for staged in sorted((s for s in self._staged if s is not None), key=lambda s: s.call):
+            if staged.drained.is_set() or (keys.isdisjoint(staged.keys)
+                                           and keys.isdisjoint(staged.state_keys)):
+                continue
+            if not staged.handed:
+                self._hand_over(staged)
+            staged.drained.wait()
+            waited = True
+        self.stats.settle_waits += waited
+        return waited
 
     def idle(self) -> None:
         """Engine thread, when no decode call follows for now (the batch ended, no row runs):

@@ -183,14 +183,15 @@ class PrefixStore:
         return block_keys(self.model_id, tokens, self.block_size, known)
 
     def lookup(self, tokens: Sequence[int], max_blocks: int | None = None,
-               first: int = 0, count: bool = True) -> list[np.ndarray]:
+               first: int = 0, count: bool = True, known: Sequence[str] = ()) -> list[np.ndarray]:
         """The longest run of full blocks of `tokens` from block `first` on (the caller holds
         the ones before it) that the store holds. A key chains the whole prefix, so a block is
         found by its prefix whatever the store still holds of the blocks before it. `count`:
         add the blocks found and missed to the stats (a caller that may look again, and use only
-        the later lookup, counts that one with `record`)."""
+        the later lookup, counts that one with `record`); `known`: keys of leading blocks the
+        caller computed already."""
         found = []
-        keys = self.keys(tokens)[first:max_blocks]
+        keys = self.keys(tokens, known)[first:max_blocks]
         for key in keys:
             entry = self.get(key)
             if entry is None:
@@ -201,10 +202,11 @@ class PrefixStore:
         return found
 
     def lookup_with_state(self, tokens: Sequence[int], max_blocks: int | None = None,
-                          count: bool = True) -> tuple[list[np.ndarray], np.ndarray | None]:
+                          count: bool = True, known: Sequence[str] = ()
+                          ) -> tuple[list[np.ndarray], np.ndarray | None]:
         """A hybrid's lookup: the longest run of stored blocks of `tokens` from the first one
         that ends at a block with a state snapshot, and that snapshot (([], None): none)."""
-        keys = self.keys(tokens)[:max_blocks]
+        keys = self.keys(tokens, known)[:max_blocks]
         found: list[np.ndarray] = []
         for key in keys:
             entry = self.get(key)

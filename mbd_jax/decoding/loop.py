@@ -55,20 +55,37 @@ def decode_meta(state: DecodeState, w: int, blk: int,
                               commit=jnp.where(state.done, 0, state.n_to_cache * blk))
 
 
+def one_slot(state: DecodeState) -> jax.Array:
+    """True while no live row has more than one valid slot (a request's first step, its last
+    block after an EOS, every step of SingleBD): the buffer's later slots are then DUMMY for
+    every row, all MASK and past every row's visible length, so nothing reads them."""
+    return jnp.all(state.done | (state.n_valid <= 1))
+
+
 def decode_step(params: Any, state: DecodeState, kv: Cache, rows: jax.Array | None = None, *,
-                apply_fn: ApplyFn, cfg: ModelConfig, n_slots: int,
-                debug: bool = False) -> tuple[DecodeState, Cache]:
+                apply_fn: ApplyFn, cfg: ModelConfig, n_slots: int, debug: bool = False,
+                first_block_only: bool = False) -> tuple[DecodeState, Cache]:
     """One forward over every row's buffer (N * blk tokens), unmasking, and the bookkeeping.
     Finished and free rows store nothing in the cache, so a row whose next request is being
     prefilled between decode calls is never overwritten. With `debug`, the Block Buffer
-    invariants are checked after the step (state.violations)."""
+    invariants are checked after the step (state.violations).
+
+    `first_block_only` (static; only where `one_slot(state)` holds): the forward computes the
+    window's first block alone and its logits are padded back to W with zeros; the DUMMY
+    positions they stand for are not maskable, so no rule selects them. The result is the full
+    window's (up to float rounding of the narrower matmuls)."""
     blk = cfg.block_size
     w = n_slots * blk
     p = state.params
     win = block_buffer.window(state, w)  # [B, W]
     meta = decode_meta(state, w, blk, rows)
     positions = meta.positions
-    logits, kv = apply_fn({"params": params}, win, meta, kv)
+    if first_block_only and w > blk:
+        logits, kv = apply_fn({"params": params}, win[:, :blk],
+                              meta.replace(positions=positions[:, :blk]), kv)
+        logits = jnp.pad(logits, ((0, 0), (0, w - blk), (0, 0)))
+    else:
+        logits, kv = apply_fn({"params": params}, win, meta, kv)
 
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(p.seed, state.nfe)
     token, confidence, greedy = policy.predict(logits, cfg.mask_token_id, p.temperature, p.top_k,
@@ -112,18 +129,37 @@ def decode_loop(params: Any, state: DecodeState, kv: Cache, max_steps: jax.Array
                 n_slots: int, debug: bool = False) -> tuple[DecodeState, Cache, jax.Array]:
     """Runs decode steps on device until `max_steps` forwards ran or some row finished (so the
     host can refill it, or return it). Returns the steps run. `rows`: the cache row of each
-    state row (a state of a few of the cache's rows: only those compute)."""
+    state row (a state of a few of the cache's rows: only those compute).
 
-    def cond(carry):
+    With a buffer of several blocks, steps where `one_slot` holds compute the first block only
+    (decode_step's `first_block_only`): on a CPU a step costs about its FLOPs even at batch 1,
+    and such steps (every request's first, its last block after the EOS) would spend half or
+    more of them on DUMMY slots. The two widths run as two inner while-loops in turn, not as a
+    `lax.cond`: XLA copies a cache that both branches of a conditional capture, every step, where
+    a while-loop updates its carry in place. Voting's recording needs every position's
+    prediction, so a recording loop keeps the full window."""
+
+    def running(carry):
         st, _, steps, event = carry
         return (steps < max_steps) & ~jnp.all(st.done) & ~event
 
-    def body(carry):
-        st, cache, steps, _ = carry
-        new_st, cache = decode_step(params, st, cache, rows, apply_fn=apply_fn, cfg=cfg,
-                                    n_slots=n_slots, debug=debug)
-        return new_st, cache, steps + 1, jnp.any(new_st.done & ~st.done)
+    def step(first_block_only):
+        def body(carry):
+            st, cache, steps, _ = carry
+            new_st, cache = decode_step(params, st, cache, rows, apply_fn=apply_fn, cfg=cfg,
+                                        n_slots=n_slots, debug=debug,
+                                        first_block_only=first_block_only)
+            return new_st, cache, steps + 1, jnp.any(new_st.done & ~st.done)
+        return body
 
-    state, kv, steps, _ = jax.lax.while_loop(
-        cond, body, (state, kv, jnp.asarray(0, jnp.int32), jnp.asarray(False)))
+    carry = (state, kv, jnp.asarray(0, jnp.int32), jnp.asarray(False))
+    if n_slots == 1 or state.trajectory.shape[1] > 0:
+        state, kv, steps, _ = jax.lax.while_loop(running, step(False), carry)
+        return state, kv, steps
+
+    def narrow_then_wide(carry):  # each pass runs at least one step (exactly one loop's holds)
+        carry = jax.lax.while_loop(lambda c: running(c) & one_slot(c[0]), step(True), carry)
+        return jax.lax.while_loop(lambda c: running(c) & ~one_slot(c[0]), step(False), carry)
+
+    state, kv, steps, _ = jax.lax.while_loop(running, narrow_then_wide, carry)
     return state, kv, steps

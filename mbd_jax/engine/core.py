@@ -36,7 +36,7 @@ from mbd_jax.engine.admission import ROW_PREFILL_MIN, Admission, PrefillCall, pr
 from mbd_jax.engine.pages import PagePool, page_keys
 from mbd_jax.engine.prefix import PrefixGlue, PrefixHit
 from mbd_jax.engine.results import GenerationResult
-from mbd_jax.engine.transfer import RowPacker
+from mbd_jax.engine.transfer import RowFetcher, RowPacker
 from mbd_jax.errors import UserError
 from mbd_jax.model.transformer import Transformer, cache_type
 from mbd_jax.parallel import mesh as meshlib
@@ -83,6 +83,7 @@ class Engine:
         replicated = meshlib.replicated(self.mesh)
         self._put = functools.partial(jax.device_put, device=replicated)  # host input -> mesh
         self._put_rows = RowPacker(self._put)  # a batch-first host tree -> mesh, one transfer
+        self._fetch_rows = RowFetcher(replicated)  # a batch-first device tree -> host, one transfer
         self.params = jax.device_put(params, meshlib.param_shardings(cfg, self.mesh))
         self.batch_size = batch_size
         self.buffer_size = buffer_size
@@ -259,18 +260,19 @@ class Engine:
                       call: PrefillCall) -> None:
         """Writes the KV of prompt positions [start, start + T) of the call's rows."""
         if call.row is None:  # every cache row in order; the call's rows store
-            rows, write, table = np.arange(self.batch_size), call.rows, None
+            rows, write = np.arange(self.batch_size), call.rows
         else:
             rows, write = np.array([call.row]), np.ones(1, bool)
-            table = self._put(rows.astype(np.int32))
         tokens = np.full((len(rows), call.tokens), self.cfg.pad_token_id, np.int32)
         for j, i in enumerate(rows):
             if write[j]:
                 seg = prompts[i][start[i]: min(start[i] + call.tokens, full_len[i])]
                 tokens[j, : len(seg)] = seg
-        self.kv = self._prefill(self.params, self.kv, self._put(tokens),
-                                self._put(start[rows].astype(np.int32)), self._put(full_len[rows]),
-                                self._put(write), table)
+        host = [tokens, start[rows].astype(np.int32), full_len[rows], write]
+        if call.row is not None:  # the row table: input row 0 is this cache row
+            host.append(rows.astype(np.int32))
+        args = self._put(host)  # one transfer call for all of them
+        self.kv = self._prefill(self.params, self.kv, *args[:4], args[4] if len(args) > 4 else None)
 
     # ---------------------------------------------------------------- public API
     def generate(self, prompts: Sequence[Sequence[int]],
@@ -353,7 +355,7 @@ class Engine:
         scheduler's streaming) ask."""
         if self._host is None or self._host[0] is not state or (
                 logprobs and self._host[1].logprob is None):
-            self._host = (state, jax.device_get(state.replace(
+            self._host = (state, self._fetch_rows(state.replace(
                 trajectory=None, logprob=state.logprob if logprobs else None)))
         return self._host[1]
 
@@ -377,7 +379,7 @@ class Engine:
     def results(self, state: DecodeState, n: int, seconds: float,
                 decodes: Sequence[DecodeConfig] | None = None) -> list[GenerationResult]:
         """Results of rows 0..n-1 of a finished state."""
-        host = jax.device_get(state)
+        host = self._fetch_rows(state)
         return [self.result_of(host, i, seconds, None if decodes is None else decodes[i])
                 for i in range(n)]
 
@@ -584,7 +586,13 @@ class Engine:
         one = (prompt, DecodeConfig(max_new_tokens=1))
         for rows in sorted({1, min(2, b)}):  # one running row alone, and all rows
             state = self.admit(self.empty_state(), dict.fromkeys(range(rows), one))
-            self.decode_call(state, 1)
+            state = self.decode_call(state, 1)
             self.release(range(rows))
+        # the host views a decode call's readers fetch (with and without the log-probabilities),
+        # and the whole state that results() fetches: each a packing program (transfer.py)
+        self.host_view(state, logprobs=True)
+        self._host = None
+        self.host_view(state)
+        self._fetch_rows(state)
         jax.block_until_ready(self.kv)
         say(f"warm-up done in {time.perf_counter() - t_start:.1f} s")

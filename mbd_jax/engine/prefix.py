@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mbd_jax.cache.offload import KVOffloader
-from mbd_jax.cache.prefix_store import PrefixStore
+from mbd_jax.cache.prefix_store import PrefixStore, state_key
 from mbd_jax.config import ModelConfig
 from mbd_jax.errors import UserError
 
@@ -75,15 +75,21 @@ class PrefixGlue:
         Not counted in the store's stats: `load` counts the lookup it uses."""
         blk = self.cfg.block_size
         first, last = after // blk, len(prompt) // blk
+        # blocks this engine committed lately may still be on their way to the store
+        keys = self.store.keys(np.asarray(prompt[: last * blk]))
+        self.offloader.settle(set(keys) | {state_key(k) for k in keys} if self.hybrid
+                              else set(keys))
         state = None
         if self.hybrid:
             # From the first block (the pool shares no pages for a hybrid: they hold no state)
             # to the last one found that has a state snapshot.
             if after:
                 raise ValueError(f"a hybrid's prefix lookup starts at 0, not {after}")
-            entries, state = self.store.lookup_with_state(prompt, max_blocks=last, count=False)
+            entries, state = self.store.lookup_with_state(prompt, max_blocks=last, count=False,
+                                                          known=keys)
         else:
-            entries = self.store.lookup(prompt, max_blocks=last, first=first, count=False)
+            entries = self.store.lookup(prompt, max_blocks=last, first=first, count=False,
+                                        known=keys)
         per_chunk = self._prefill_chunk // blk
         chunks = []
         for start in range(0, len(entries), per_chunk):

@@ -144,6 +144,9 @@ class Metrics:
         counter("mbd_kv_offload_deferred_calls", "Decode calls that staged nothing because both "
                 "staging buffers were still draining (their blocks wait for a later call)",
                 lambda: off.stats.deferred_calls)
+        counter("mbd_kv_offload_settle_waits", "Prefix lookups that waited for a staged KV "
+                "buffer holding blocks they asked for (not yet drained to the store)",
+                lambda: off.stats.settle_waits)
         counter("mbd_prefix_cache_disk_dropped", "Blocks not written to disk: the write queue was "
                 "full", lambda: st.disk_dropped)
         gauge("mbd_prefix_cache_disk_entries", "Entries in the disk tier", lambda: st.disk_entries)
