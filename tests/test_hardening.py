@@ -303,6 +303,26 @@ def wait_for(predicate, seconds=30.0):
     return False
 
 
+def test_kept_alive_connections_do_not_wait_for_delayed_acks(server):
+    """A response leaves in two writes (head, then body). Without TCP_NODELAY on the accepted
+    socket, Nagle's algorithm holds the body until the client ACKs the head, and a kept-alive
+    client delays that ACK by 40 ms or more (Linux's minimum), so every request after a
+    connection's first took >= 40 ms however fast the server was. On one connection, the
+    quickest of six /health requests after the first must answer well inside that."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # the client side sends at once
+        times = []
+        for _ in range(7):
+            t = time.perf_counter()
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            data = b""
+            while not (b"\r\n\r\n" in data and data.endswith(b"}")):
+                data += s.recv(65536)
+            times.append(time.perf_counter() - t)
+            assert data.startswith(b"HTTP/1.1 200")
+    assert min(times[1:]) < 0.03, times
+
+
 def test_a_non_streaming_client_that_hangs_up_frees_its_row(server):
     before = server.metrics()
     long = {"prompt": "hi", "max_tokens": 1000,
