@@ -38,8 +38,10 @@ def _free_port() -> int:
 
 
 def _metric(admin: str, name: str) -> float:
+    """A sample of the admin port's /metrics (a counter `name` is exposed as `name_total`);
+    NaN when the server does not report it (e.g. offload counters with the cache off)."""
     for line in httpx.get(admin + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + " "):
+        if line.startswith((name + " ", name + "_total ")):
             return float(line.split()[1])
     return float("nan")
 
