@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import re
 import string
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import numpy as np
 
@@ -79,47 +79,53 @@ class Example:
         return (reply if self.reasoning is None else split_reasoning(reply)[1]).strip() == self.answer
 
 
+class Problem(NamedTuple):
+    question: str
+    answer: str
+    trace: str = ""  # the worked trace a thinking reply writes before THINK_END ("": none)
+
+
 def _digits(rng: np.random.Generator, lo: int, hi: int) -> list[int]:
     return [int(x) for x in rng.integers(0, 10, size=int(rng.integers(lo, hi + 1)))]
 
 
-def _arith(rng: np.random.Generator) -> tuple[str, str]:
+def _arith(rng: np.random.Generator) -> Problem:
     a, b = int(rng.integers(0, 100)), int(rng.integers(0, 100))
     if rng.random() < 0.5:
-        return f"What is {a}+{b}?", f"{a}+{b}={a + b}"
+        return Problem(f"What is {a}+{b}?", f"{a}+{b}={a + b}", _arith_trace(a, "+", b))
     a, b = max(a, b), min(a, b)
-    return f"What is {a}-{b}?", f"{a}-{b}={a - b}"
+    return Problem(f"What is {a}-{b}?", f"{a}-{b}={a - b}", _arith_trace(a, "-", b))
 
 
-def _sort(rng: np.random.Generator) -> tuple[str, str]:
+def _sort(rng: np.random.Generator) -> Problem:
     xs = _digits(rng, 3, 10)
-    return "Sort: " + " ".join(map(str, xs)), " ".join(map(str, sorted(xs)))
+    return Problem("Sort: " + " ".join(map(str, xs)), " ".join(map(str, sorted(xs))))
 
 
-def _reverse(rng: np.random.Generator) -> tuple[str, str]:
+def _reverse(rng: np.random.Generator) -> Problem:
     xs = [_LETTERS[int(i)] for i in rng.integers(0, 26, size=int(rng.integers(3, 11)))]
-    return "Reverse: " + " ".join(xs), " ".join(reversed(xs))
+    return Problem("Reverse: " + " ".join(xs), " ".join(reversed(xs)))
 
 
-def _recall(rng: np.random.Generator) -> tuple[str, str]:
+def _recall(rng: np.random.Generator) -> Problem:
     keys = rng.choice(26, size=int(rng.integers(2, 7)), replace=False)
     pairs = [(_LETTERS[int(k)], int(rng.integers(0, 10))) for k in keys]
     asked = sorted(rng.choice(len(pairs), size=min(len(pairs) - 1, int(rng.integers(1, 3))),
                               replace=False))
     wanted = [pairs[int(i)] for i in asked]
-    return (f"Recall {' '.join(k for k, _ in wanted)} in: "
-            + " ".join(f"{k}={v}" for k, v in pairs), " ".join(f"{k}={v}" for k, v in wanted))
+    return Problem(f"Recall {' '.join(k for k, _ in wanted)} in: "
+                   + " ".join(f"{k}={v}" for k, v in pairs), " ".join(f"{k}={v}" for k, v in wanted))
 
 
-def _sortrev(rng: np.random.Generator) -> tuple[str, str]:
+def _sortrev(rng: np.random.Generator) -> Problem:
     xs = _digits(rng, 3, 8)
-    return "Sort and reverse: " + " ".join(map(str, xs)), " ".join(map(str, sorted(xs)[::-1]))
+    return Problem("Sort and reverse: " + " ".join(map(str, xs)),
+                   " ".join(map(str, sorted(xs)[::-1])), " ".join(map(str, sorted(xs))))
 
 
-def _arith_trace(question: str) -> str:
+def _arith_trace(a: int, op: str, b: int) -> str:
     """Column by column, units first: `7+8=15 4+3+1=8` (47+38); `17-8=9 4-1-3=0` (47-38)."""
-    a, op, b = re.fullmatch(r"What is (\d+)([+-])(\d+)\?", question).groups()
-    (ta, ua), (tb, ub) = divmod(int(a), 10), divmod(int(b), 10)
+    (ta, ua), (tb, ub) = divmod(a, 10), divmod(b, 10)
     if op == "+":
         carry = "+1" if ua + ub >= 10 else ""
         return f"{ua}+{ub}={ua + ub} {ta}+{tb}{carry}={ta + tb + (ua + ub >= 10)}"
@@ -128,16 +134,7 @@ def _arith_trace(question: str) -> str:
     return f"{ua}-{ub}={ua - ub} {ta}-{tb}={ta - tb}"
 
 
-def _trace(task: str, question: str, answer: str) -> str:
-    """The worked trace a thinking reply writes before THINK_END (empty: nothing to work out)."""
-    if task == "arith":
-        return _arith_trace(question)
-    if task == "sortrev":
-        return " ".join(answer.split()[::-1])
-    return ""
-
-
-TASKS: dict[str, Callable[[np.random.Generator], tuple[str, str]]] = {
+TASKS: dict[str, Callable[[np.random.Generator], Problem]] = {
     "arith": _arith, "sort": _sort, "reverse": _reverse, "recall": _recall, "sortrev": _sortrev}
 
 
@@ -157,7 +154,7 @@ def _train_question(tasks: list[str] | tuple[str, ...], rng: np.random.Generator
                     ) -> tuple[str, str]:
     """A question (and answer) of a random task from the train split: an earlier turn."""
     while True:
-        question, answer = TASKS[tasks[int(rng.integers(len(tasks)))]](rng)
+        question, answer, _ = TASKS[tasks[int(rng.integers(len(tasks)))]](rng)
         if not is_heldout(question):
             return question, answer
 
@@ -196,13 +193,13 @@ def examples(tasks: list[str] | tuple[str, ...], seed, split: str = "train",
     i = 0
     while True:
         task = tasks[i % len(tasks)]
-        question, answer = TASKS[task](rng)
+        question, answer, trace = TASKS[task](rng)
         if is_heldout(question) == want_heldout:
             i += 1
             f = fmt or ("thinking" if thinking_share and rng.random() < thinking_share else
                         names[int(rng.choice(len(names), p=weights / weights.sum()))])
             yield Example(task, render_example(question, f, rng, tasks), answer, f,
-                          _trace(task, question, answer) if f == "thinking" else None)
+                          trace if f == "thinking" else None)
 
 
 def heldout(task: str, n: int, seed: int = 1234, fmt: str = "chat") -> list[Example]:
