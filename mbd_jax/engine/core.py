@@ -115,6 +115,7 @@ class Engine:
         self._allocate_kv = jax.jit(
             lambda: self.cache.allocate(cfg, batch_size, self.capacity, n_pages),
             out_shardings=kv_sharding)
+        self._table_stale = False
         self.kv = self._allocate_kv()
         self._sync_table()
         apply_fn = Transformer(cfg, self.mesh).apply
@@ -224,9 +225,24 @@ class Engine:
         counted): the scheduler admits the queue's head while this is <= pages.free."""
         return self.pages.cost(self._positions_held(prompt, d), self._prefix_pages(prompt)[1])
 
+    @property
+    def kv(self) -> Any:
+        """The device cache, with the host page table as it is now: a table changed since the
+        last read (pages taken or given back) is sent first, once however many changes came
+        in between (a batch's release and the next admission: one transfer)."""
+        if self._table_stale:
+            self._kv = self._kv.with_table(jax.device_put(self.pages.table, self._table_sharding))
+            self._table_stale = False
+        return self._kv
+
+    @kv.setter
+    def kv(self, value: Any) -> None:
+        self._kv = value
+
     def _sync_table(self) -> None:
-        """The device cache reads the host page table (after pages were taken or given back)."""
-        self.kv = self.kv.with_table(jax.device_put(self.pages.table, self._table_sharding))
+        """The device cache reads the host page table from the next use of `kv` on (after pages
+        were taken or given back)."""
+        self._table_stale = True
 
     def release(self, rows: Sequence[int]) -> None:
         """Gives back the KV pages of finished rows (their results were read): the pool is
