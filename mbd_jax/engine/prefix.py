@@ -75,10 +75,13 @@ class PrefixGlue:
         Not counted in the store's stats: `load` counts the lookup it uses."""
         blk = self.cfg.block_size
         first, last = after // blk, len(prompt) // blk
-        # blocks this engine committed lately may still be on their way to the store
+        # blocks (and a hybrid's snapshots) this engine committed lately may still be on their
+        # way to the store: the lookup waits for them rather than miss them
         keys = self.store.keys(np.asarray(prompt[: last * blk]))
-        self.offloader.settle(set(keys) | {state_key(k) for k in keys} if self.hybrid
-                              else set(keys))
+        wanted = set(keys)
+        if self.hybrid:
+            wanted |= {state_key(k) for k in keys}
+        self.offloader.settle(wanted)
         state = None
         if self.hybrid:
             # From the first block (the pool shares no pages for a hybrid: they hold no state)
