@@ -25,15 +25,29 @@ class StopStrings:
         if self.stopped:
             return ""
         self._pending += text
-        found = [i for i in (self._pending.find(s) for s in self.stops) if i >= 0]
-        if found:
-            out, self._pending, self.stopped = self._pending[: min(found)], "", True
-            return out
-        cut = max(0, len(self._pending) - self._hold)
-        out, self._pending = self._pending[:cut], self._pending[cut:]
-        return out
+        return self._release(final=False)
 
     def finish(self) -> str:
-        """The held-back tail, at the end of the output (it did not complete a stop string)."""
-        out, self._pending = self._pending, ""
+        """The held-back tail, at the end of the output, cut at a stop string it holds (which
+        sets `stopped`: one that completed while an earlier-starting one was still open)."""
+        if self.stopped:
+            return ""
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        p = self._pending
+        found = [i for i in (p.find(s) for s in self.stops) if i >= 0]
+        first = min(found, default=len(p))
+        # A stop string can still begin before the first one found, if the text from there on
+        # is the start of a longer stop string whose rest has not come yet ('c' found in 'aac'
+        # while 'aca' may follow from index 1): the cut waits for it. Such a start lies within
+        # the last _hold characters.
+        undecided = not final and any(
+            len(p) - j < len(s) and s.startswith(p[j:])
+            for j in range(max(0, len(p) - self._hold), first) for s in self.stops)
+        if found and not undecided:
+            out, self._pending, self.stopped = p[:first], "", True
+            return out
+        cut = len(p) if final else max(0, len(p) - self._hold)
+        out, self._pending = p[:cut], p[cut:]
         return out

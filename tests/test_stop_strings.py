@@ -1,7 +1,7 @@
 """Stop strings over streamed text, against the plain reference: the text up to the first
 occurrence of any stop string, whatever the block boundaries."""
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from mbd_jax.stop_strings import StopStrings
@@ -15,6 +15,10 @@ def reference(text: str, stops: list[str]) -> tuple[str, bool]:
 @given(st.text(alphabet="abc", max_size=30),
        st.lists(st.text(alphabet="abc", min_size=1, max_size=4), min_size=1, max_size=3),
        st.lists(st.integers(0, 5), max_size=15))
+# 'c' completes in the first push while 'aca', which starts earlier, completes only in the next
+@example(text="aaca", stops=["c", "aca"], cuts=[3])
+# ... or never: at the end the found 'c' is the cut (finish applies it)
+@example(text="aac", stops=["c", "aca"], cuts=[3])
 def test_streamed_stop_strings_equal_the_reference(text, stops, cuts):
     s, out, at = StopStrings(stops), "", 0
     for n in cuts + [len(text)]:

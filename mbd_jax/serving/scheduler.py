@@ -370,10 +370,10 @@ class Scheduler:
                 text = r.detokenizer.push(new) + (r.detokenizer.finish() if done else "")
             if r.stops is not None:
                 text = r.stops.push(text)
+                if done:  # the held-back tail (or the text before a stop string it holds)
+                    text += r.stops.finish()
                 if r.stops.stopped:
                     stopped.append(row)
-                elif done:
-                    text += r.stops.finish()
                 r.released.append(text)
             lps = None
             if r.logprobs:
