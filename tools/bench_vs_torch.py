@@ -27,11 +27,14 @@ import statistics
 import sys
 import tempfile
 import time
+import typing
 
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from mbd_jax.config import MoeImpl  # noqa: E402  (after the path)
 
 VOCAB, BLOCK = 4000, 4
 MASK_ID, EOS_ID = VOCAB - 1, VOCAB - 2
@@ -118,7 +121,7 @@ def run_kind(kind: str, batches: list[int], args, tmp: pathlib.Path) -> list[dic
     src = build_hf(kind, tmp / f"hf-{kind}", args.layers, args.hidden)
     convert(src, tmp / f"mbd-{kind}", dtype="float32", mask_token_id=MASK_ID, block_size=BLOCK,
             progress=False)
-    ours = load_model(str(tmp / f"mbd-{kind}"))
+    ours = load_model(str(tmp / f"mbd-{kind}"), runtime={"moe_impl": args.moe_impl})
     theirs = AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager").eval()
     params = sum(p.numel() for p in theirs.parameters())
     decode = DecodeConfig(buffer_size=1, policy="fixed_steps", steps_per_block=BLOCK,
@@ -167,6 +170,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--hidden", type=int, default=384)
+    ap.add_argument("--moe-impl", choices=typing.get_args(MoeImpl), default="auto",
+                    help="mbd-jax's expert path (default: auto, the backend's choice)")
     args = ap.parse_args()
     if args.prompt_len % BLOCK or args.new_tokens % BLOCK:
         raise SystemExit(f"--prompt-len and --new-tokens must be multiples of the block ({BLOCK})")

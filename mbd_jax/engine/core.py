@@ -287,8 +287,7 @@ class Engine:
         host = [tokens, start[rows].astype(np.int32), full_len[rows], write]
         if call.row is not None:  # the row table: input row 0 is this cache row
             host.append(rows.astype(np.int32))
-        args = self._put(host)  # one transfer call for all of them
-        self.kv = self._prefill(self.params, self.kv, *args[:4], args[4] if len(args) > 4 else None)
+        self.kv = self._prefill(self.params, self.kv, *self._put(host))  # one transfer call
 
     # ---------------------------------------------------------------- public API
     def generate(self, prompts: Sequence[Sequence[int]],
@@ -371,9 +370,13 @@ class Engine:
         scheduler's streaming) ask."""
         if self._host is None or self._host[0] is not state or (
                 logprobs and self._host[1].logprob is None):
-            self._host = (state, self._fetch_rows(state.replace(
-                trajectory=None, logprob=state.logprob if logprobs else None)))
+            self._host = (state, self._fetch_rows(self._host_tree(state, logprobs)))
         return self._host[1]
+
+    @staticmethod
+    def _host_tree(state: DecodeState, logprobs: bool) -> DecodeState:
+        """What host_view fetches: no voting trajectories, log-probabilities only if asked."""
+        return state.replace(trajectory=None, logprob=state.logprob if logprobs else None)
 
     def done_rows(self, state: DecodeState) -> np.ndarray:
         """state.done on the host ([B] bool), fetched once per state: host_view's copy when it
@@ -606,9 +609,7 @@ class Engine:
             self.release(range(rows))
         # the host views a decode call's readers fetch (with and without the log-probabilities),
         # and the whole state that results() fetches: each a packing program (transfer.py)
-        self.host_view(state, logprobs=True)
-        self._host = None
-        self.host_view(state)
-        self._fetch_rows(state)
+        for tree in (self._host_tree(state, True), self._host_tree(state, False), state):
+            self._fetch_rows(tree)
         jax.block_until_ready(self.kv)
         say(f"warm-up done in {time.perf_counter() - t_start:.1f} s")

@@ -48,7 +48,9 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, metrics) -> 
             if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
                 # A response goes out as two writes (head, then body); with Nagle's algorithm
                 # the body waits for the client's ACK of the head, which a kept-alive client
-                # delays by ~40 ms: every request after a connection's first paid that.
+                # delays by ~40 ms: every request after a connection's first paid that. asyncio
+                # turns Nagle off only for sockets made with proto IPPROTO_TCP; server.listen's
+                # (and any inherited one) may have proto 0.
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             super().connection_made(transport)
             self._arm_header_timer()
