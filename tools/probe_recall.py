@@ -1,0 +1,82 @@
+"""Does a model look values up? Recall's value tokens predicted with the answer teacher-forced.
+
+    python tools/probe_recall.py --models tiny-bd,runs/x-model [--limit 200]
+
+For each held-out recall question (chat format) one block-causal forward over prompt + answer +
+EOS (padded to whole blocks) predicts the answer's value digits in two views: `values_masked`
+(only the digits masked: each value's key stands right before it) and `answer_masked` (every
+response position masked: the key must come from the question). Accuracy near 1/10 means no
+lookup at all (a digit at chance); near 1/(pairs) means a value of the prompt but not the asked
+one. Decoding plays no part, so this separates the model's lookup from the sampler's order.
+Prints JSON (stdout) and a table (stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def probe(model: str, limit: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mbd_jax.checkpoint import load_model
+    from mbd_jax.model.forward_meta import ForwardMeta
+    from mbd_jax.model.transformer import Transformer
+    from mbd_jax.train import tasks
+    from mbd_jax.train.trainer import encode
+
+    m = load_model(model)
+    cfg, tok = m.cfg, m.tokenizer
+    eos, block = cfg.eos_token_ids[0], cfg.block_size
+    digits = {tok.encode(str(d))[-1] for d in range(10)}
+
+    @jax.jit
+    def predict(params, tokens, mask):  # tokens: [2, L]; mask: [L, L] -> [2, L] argmax ids
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        meta = ForwardMeta.explicit(positions, jnp.broadcast_to(mask, (2, *mask.shape)))
+        logits, _ = Transformer(cfg).apply({"params": params}, tokens, meta)
+        return jnp.argmax(logits, -1)
+
+    right = {"values_masked": [], "answer_masked": []}
+    for ex in itertools.islice(tasks.examples(["recall"], seed=1, split="heldout", fmt="chat"), limit):
+        ids, prompt_len = encode(tok, ex, eos)
+        length = -(-len(ids) // block) * block
+        ids = np.array(ids + [eos] * (length - len(ids)), np.int32)
+        blocks = np.arange(length) // block
+        values = [i for i in range(prompt_len, len(ids)) if int(ids[i]) in digits]
+        views = np.stack([ids, ids])
+        views[0, values] = cfg.mask_token_id
+        views[1, prompt_len:] = cfg.mask_token_id
+        pred = np.asarray(predict(m.params, jnp.asarray(views),
+                                  jnp.asarray(blocks[None, :] <= blocks[:, None])))
+        right["values_masked"] += [bool(pred[0, i] == ids[i]) for i in values]
+        right["answer_masked"] += [bool(pred[1, i] == ids[i]) for i in values]
+    return {"model": model, "questions": limit, "values": len(right["values_masked"]),
+            **{k: round(float(np.mean(v)), 3) for k, v in right.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", required=True, help="comma-separated models (names or directories)")
+    ap.add_argument("--limit", type=int, default=200, help="held-out recall questions")
+    args = ap.parse_args()
+    rows = [probe(m, args.limit) for m in args.models.split(",")]
+    print(json.dumps(rows, indent=1))
+    print("| model | values | values masked | whole answer masked |", file=sys.stderr)
+    print("|---|---|---|---|", file=sys.stderr)
+    for r in rows:
+        print(f"| {r['model']} | {r['values']} | {r['values_masked']:.3f} | {r['answer_masked']:.3f} |",
+              file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
