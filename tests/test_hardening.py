@@ -328,7 +328,8 @@ def test_accepted_connections_send_without_waiting_for_acks():
         server = uvicorn.Server(uvicorn.Config(app, http=guarded_protocol(8, 10.0, Metrics()),
                                                lifespan="off", log_config=None))
         task = asyncio.create_task(server.serve(sockets=[listener]))
-        while not server.started:
+        while not server.started:  # a server that fails to start ends its task: no endless wait
+            assert not task.done(), task.exception()
             await asyncio.sleep(0.01)
         reader, writer = await asyncio.open_connection(*listener.getsockname())
         writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")

@@ -30,34 +30,33 @@ def probe(model: str, limit: int) -> dict:
 
     from mbd_jax.checkpoint import load_model
     from mbd_jax.model.forward_meta import ForwardMeta
-    from mbd_jax.model.transformer import Transformer
+    from mbd_jax.model.transformer import Transformer, block_causal_mask
     from mbd_jax.train import tasks
     from mbd_jax.train.trainer import encode
 
     m = load_model(model)
     cfg, tok = m.cfg, m.tokenizer
     eos, block = cfg.eos_token_ids[0], cfg.block_size
-    digits = {tok.encode(str(d))[-1] for d in range(10)}
 
     @jax.jit
-    def predict(params, tokens, mask):  # tokens: [2, L]; mask: [L, L] -> [2, L] argmax ids
+    def predict(params, tokens):  # tokens: [2, L] -> [2, L] argmax ids, one block-causal forward
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        meta = ForwardMeta.explicit(positions, jnp.broadcast_to(mask, (2, *mask.shape)))
+        meta = ForwardMeta.explicit(positions, block_causal_mask(positions, block))
         logits, _ = Transformer(cfg).apply({"params": params}, tokens, meta)
         return jnp.argmax(logits, -1)
 
     right = {"values_masked": [], "answer_masked": []}
-    for ex in itertools.islice(tasks.examples(["recall"], seed=1, split="heldout", fmt="chat"), limit):
+    questions = tasks.examples(["recall"], seed=1, split="heldout", fmt="chat")
+    for ex in itertools.islice(questions, limit):
         ids, prompt_len = encode(tok, ex, eos)
         length = -(-len(ids) // block) * block
         ids = np.array(ids + [eos] * (length - len(ids)), np.int32)
-        blocks = np.arange(length) // block
-        values = [i for i in range(prompt_len, len(ids)) if int(ids[i]) in digits]
+        values = [i for i in range(prompt_len, len(ids))
+                  if tok.decode([int(ids[i])]).strip().isdigit()]  # the answer's value digits
         views = np.stack([ids, ids])
         views[0, values] = cfg.mask_token_id
         views[1, prompt_len:] = cfg.mask_token_id
-        pred = np.asarray(predict(m.params, jnp.asarray(views),
-                                  jnp.asarray(blocks[None, :] <= blocks[:, None])))
+        pred = np.asarray(predict(m.params, jnp.asarray(views)))
         right["values_masked"] += [bool(pred[0, i] == ids[i]) for i in values]
         right["answer_masked"] += [bool(pred[1, i] == ids[i]) for i in values]
     return {"model": model, "questions": limit, "values": len(right["values_masked"]),
@@ -69,13 +68,15 @@ def main() -> None:
     ap.add_argument("--models", required=True, help="comma-separated models (names or directories)")
     ap.add_argument("--limit", type=int, default=200, help="held-out recall questions")
     args = ap.parse_args()
+    if args.limit < 1:
+        ap.error(f"--limit must be >= 1, got {args.limit}")
     rows = [probe(m, args.limit) for m in args.models.split(",")]
     print(json.dumps(rows, indent=1))
     print("| model | values | values masked | whole answer masked |", file=sys.stderr)
     print("|---|---|---|---|", file=sys.stderr)
     for r in rows:
-        print(f"| {r['model']} | {r['values']} | {r['values_masked']:.3f} | {r['answer_masked']:.3f} |",
-              file=sys.stderr)
+        print(f"| {r['model']} | {r['values']} | {r['values_masked']:.3f} "
+              f"| {r['answer_masked']:.3f} |", file=sys.stderr)
 
 
 if __name__ == "__main__":
