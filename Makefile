@@ -6,7 +6,7 @@ PROMPT ?= Sort: 7 2 9 4
 PORT   ?= 8000
 ADMIN_PORT ?=
 
-.PHONY: run generate test bench models clean promtool
+.PHONY: run generate test test-slow bench models clean promtool
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ generate: $(VENV)/.installed
 TEST_WORKERS ?= auto
 test: $(VENV)/.installed-dev promtool
 	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --maxprocesses 4 --dist worksteal)
+
+## make test-slow: the heavier variants kept out of `make test` (each has a lighter test covering
+## its behaviour in the default run)
+test-slow: $(VENV)/.installed-dev
+	$(BIN)/python -m pytest -q -m slow $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --maxprocesses 4 --dist worksteal)
 
 # tests/test_deploy.py checks the alert rules with promtool (Debian's prometheus package).
 promtool:

@@ -78,6 +78,7 @@ def test_scanned_forward_equals_unrolled_on_both_paths(cfg):
     np.testing.assert_allclose(np.asarray(out[1][1].v), np.asarray(out[0][1].v), atol=TOL)
 
 
+@pytest.mark.slow  # the default run has it under a mesh: tests/test_mesh.py's scanned engine
 def test_scanned_engine_generates_what_the_unrolled_one_does():
     """The shipped model loaded with either loop (a canonical checkpoint stacked at load) decodes
     the same tokens with MultiBD, and the scanned engine compiles nothing for a second batch of

@@ -24,7 +24,8 @@ from tests.live_server import KEY, ROOT, Server, free_port
 
 TWO_DEVICES = {"XLA_FLAGS": f"{XLA_TEST_FLAGS} --xla_force_host_platform_device_count=2",
                "JAX_PLATFORMS": "cpu"}
-PROMPTS = ["1,20,31,42,53", "1,9,8,7", "1,100,200,300,33,44,55,66,77"]
+# one row: a prompt longer than a block (a prefill chunk, then decoding), compiled once per process
+PROMPTS = ["1,100,200,300,33,44,55,66,77"]
 
 
 def launch_flags(port: int, pid: int) -> list[str]:
@@ -77,7 +78,7 @@ def test_two_processes_generate_what_one_does(offline):
     want = [r.token_ids for r in offline[1].generate(
         [[int(t) for t in p.split(",")] for p in PROMPTS],
         DecodeConfig(buffer_size=2, max_new_tokens=24, ignore_eos=True))]
-    assert [len(t) for t in want] == [24, 24, 24]
+    assert [len(t) for t in want] == [24]
     assert [r["token_ids"] for r in json_lines(outs[0])] == want  # process 0 prints
     assert json_lines(outs[1]) == []  # the other does not
 

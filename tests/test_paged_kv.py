@@ -128,7 +128,7 @@ def test_small_pool_decodes_like_the_full_pool_under_a_random_request_stream(ful
         assert tokens == reference[i].token_ids, i
 
 
-@pytest.mark.parametrize("n_buf", [1, 2, 4])
+@pytest.mark.parametrize("n_buf", [1, pytest.param(2, marks=pytest.mark.slow), 4])
 def test_generate_waits_for_pages_and_matches_the_full_pool(n_buf):
     """MultiBD buffers 1, 2 and 4: `generate` on a pool that holds two of the requests at a
     time runs them in turns and returns the full pool's tokens; a request larger than the whole

@@ -97,6 +97,20 @@ def test_resume_gives_the_same_next_step_loss(tmp_path):
     np.testing.assert_allclose(again, losses[3:], rtol=1e-6)
     fresh = Trainer(tcfg(steps=6), cfg, params, tok)  # without restoring: a different loss
     assert abs(fresh.train_step()["loss"] - losses[3]) > 1e-3
+    # stop_at ends a run early on the longer run's schedule; a shorter `steps` decays sooner
+    def run(**kw):
+        t = Trainer(tcfg(warmup_steps=1, **kw), cfg, params, tok)
+        return t, [m["loss"] for m in t.fit(progress="none")]
+    full, full_losses = run(steps=8)
+    stopped, stopped_losses = run(steps=8, stop_at=4)
+    shorter, _ = run(steps=4)
+    assert stopped.step == 4 and stopped_losses == pytest.approx(full_losses[:4], rel=1e-6)
+    gap = lambda a, b: max(jax.tree.leaves(jax.tree.map(  # noqa: E731
+        lambda x, y: float(np.abs(np.asarray(x) - np.asarray(y)).max()), a.state["params"],
+        b.state["params"])))
+    assert gap(stopped, shorter) > 1e-5  # step 3's learning rate differs
+    with pytest.raises(Exception, match="stop_at"):
+        tcfg(steps=6, stop_at=7).validate()
 
 
 SHARDED_SCRIPT = textwrap.dedent("""

@@ -37,7 +37,10 @@ class TrainConfig:
     # the share of steps its examples have, so the data seen is the same and padding is not.
     length_buckets: tuple[int, ...] = ()
     batch_size: int = 32  # examples per step (rows = examples x layouts)
-    steps: int = 1000
+    steps: int = 1000  # the schedule's length (warmup, then cosine decay to the end)
+    # Stop (checkpoint and export) at this step instead, the schedule still spanning `steps`: a
+    # stage that keeps an early point of a longer run (configs/train/tiny-bd-recall.yaml).
+    stop_at: int | None = None
     learning_rate: float = 3e-3
     warmup_steps: int = 50
     end_lr_fraction: float = 0.1  # cosine decays to learning_rate * this
@@ -72,6 +75,8 @@ class TrainConfig:
         for f in ("seq_len", "batch_size", "steps", "checkpoint_every", "keep_checkpoints",
                   "log_every"):
             _check(getattr(self, f) >= 1, where, f"field '{f}' must be >= 1, got {getattr(self, f)}")
+        _check(self.stop_at is None or 1 <= self.stop_at <= self.steps, where,
+               f"field 'stop_at' must be in [1, steps ({self.steps})], got {self.stop_at}")
         _check(all(0 < b < self.seq_len for b in self.length_buckets)
                and list(self.length_buckets) == sorted(set(self.length_buckets)), where,
                f"field 'length_buckets' must be increasing lengths below seq_len "

@@ -247,13 +247,13 @@ class Trainer:
         return {k: float(v) for k, v in metrics.items()}
 
     def fit(self, steps: int | None = None, progress: Progress = "bar") -> list[dict[str, float]]:
-        """Trains until step `steps` (default tcfg.steps), checkpointing every checkpoint_every;
+        """Trains until step `steps` (default tcfg.stop_at, else tcfg.steps), checkpointing every checkpoint_every;
         `progress`: a bar, a log (one JSON line of metrics per log_every steps on stderr), or
         nothing."""
         from tqdm import tqdm
 
         tcfg = self.tcfg
-        end = tcfg.steps if steps is None else steps
+        end = steps if steps is not None else tcfg.stop_at or tcfg.steps
         bar = tqdm(total=end, initial=self.step, disable=progress != "bar", unit="step",
                    dynamic_ncols=True)
         t_last, tokens_last = time.perf_counter(), self.example_tokens
