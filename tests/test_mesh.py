@@ -128,7 +128,8 @@ ENGINE = textwrap.dedent("""
                 "kv_stacked": engine.kv.stacked,
                 "experts_local": list(experts.addressable_shards[0].data.shape)[-3:]}
     out = {"one": run(None)}
-    # the layers scanned (unrolled under a mesh: the hybrid below and tests/test_multihost.py): the checkpoint restored shard by shard, then stacked under the mesh
+    # the layers scanned: the checkpoint restored shard by shard, then stacked under the mesh
+    # (unrolled layers under a mesh: the sharded hybrid below and tests/test_multihost.py)
     out["scan: data=2,expert=2,tensor=2"] = run(
         meshlib.make_mesh(meshlib.parse_mesh("data=2,expert=2,tensor=2")), "scan")
     print(json.dumps(out))

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from mbd_jax.config import SequenceModule
+from mbd_jax.config import ConfigError, SequenceModule
 from mbd_jax.checkpoint import load_model
 from mbd_jax.model.transformer import init_params
 from mbd_jax.train.config import TrainConfig
@@ -101,7 +101,7 @@ def test_resume_gives_the_same_next_step_loss(tmp_path):
     def run(**kw):
         t = Trainer(tcfg(warmup_steps=1, **kw), cfg, params, tok)
         return t, [m["loss"] for m in t.fit(progress="none")]
-    full, full_losses = run(steps=8)
+    _, full_losses = run(steps=8)
     stopped, stopped_losses = run(steps=8, stop_at=4)
     shorter, _ = run(steps=4)
     assert stopped.step == 4 and stopped_losses == pytest.approx(full_losses[:4], rel=1e-6)
@@ -109,7 +109,7 @@ def test_resume_gives_the_same_next_step_loss(tmp_path):
         lambda x, y: float(np.abs(np.asarray(x) - np.asarray(y)).max()), a.state["params"],
         b.state["params"])))
     assert gap(stopped, shorter) > 1e-5  # step 3's learning rate differs
-    with pytest.raises(Exception, match="stop_at"):
+    with pytest.raises(ConfigError, match="field 'stop_at' must be in"):
         tcfg(steps=6, stop_at=7).validate()
 
 

@@ -39,7 +39,7 @@ class TrainConfig:
     batch_size: int = 32  # examples per step (rows = examples x layouts)
     steps: int = 1000  # the schedule's length (warmup, then cosine decay to the end)
     # Stop (checkpoint and export) at this step instead, the schedule still spanning `steps`: a
-    # stage that keeps an early point of a longer run (configs/train/tiny-bd-recall.yaml).
+    # run that keeps an early point of a longer one (configs/train/recall-lookup.yaml).
     stop_at: int | None = None
     learning_rate: float = 3e-3
     warmup_steps: int = 50
