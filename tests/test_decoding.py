@@ -10,7 +10,7 @@ import pytest
 from mbd_jax import compile_stats
 from mbd_jax.config import DecodeConfig
 from mbd_jax.decoding import block_buffer, loop
-from mbd_jax.engine import Engine, admission
+from mbd_jax.engine import Engine, admission, programs
 from mbd_jax.errors import UserError
 from mbd_jax.model.transformer import Transformer
 
@@ -133,6 +133,7 @@ def test_prefill_rounds_give_long_chunks_a_call_of_their_own():
 def test_a_one_shot_warmup_compiles_exactly_what_its_prompts_run(cfg, params):
     """`generate` and `eval` warm up only the prefill buckets their prompts use (block 8,
     prefill_chunk 16: buckets 8 and 16); the compile counter sees every program."""
+    programs.clear()  # as in a fresh process: nothing shared from an earlier test's engine
     engine = Engine(cfg, params, batch_size=3, buffer_size=1, prefill_chunk=16)
     prompts = [list(range(10, 19)), [11] * 5]  # 8 and 0 full-block tokens: one 8-token chunk
     assert engine.prefill_buckets_for(prompts) == [8]
@@ -148,6 +149,27 @@ def test_a_one_shot_warmup_compiles_exactly_what_its_prompts_run(cfg, params):
     assert compile_stats.compiles() == warm
     engine.generate([[11] * 40], DecodeConfig(max_new_tokens=6))  # the 16-token prefill: new
     assert compile_stats.compiles() > warm
+
+
+def test_an_engine_rebuilt_with_the_same_shapes_shares_its_programs(cfg, params):
+    """Engines of one model, mesh and shapes share their jitted programs (engine/programs.py):
+    the second one's warm-up traces and compiles nothing (not even a persistent-cache read) and
+    it decodes what the first decodes; another N_buf or batch builds programs of its own."""
+    programs.clear()
+    prompts, d = [list(range(10, 21)), [12] * 4], DecodeConfig(max_new_tokens=12, buffer_size=2)
+    first = Engine(cfg, params, batch_size=2, buffer_size=2, prefill_chunk=16)
+    first.warmup()
+    want = [r.token_ids for r in first.generate(prompts, d)]
+    before = compile_stats.compiles()
+    again = Engine(cfg, params, batch_size=2, buffer_size=2, prefill_chunk=16)
+    again.warmup()
+    assert compile_stats.compiles() == before
+    assert [r.token_ids for r in again.generate(prompts, d)] == want
+    assert [r.token_ids for r in first.generate(prompts, d)] == want  # its own pool, untouched
+    assert compile_stats.compiles() == before
+    for other in (Engine(cfg, params, batch_size=2, buffer_size=1, prefill_chunk=16),
+                  Engine(cfg, params, batch_size=3, buffer_size=2, prefill_chunk=16)):
+        assert other._decode is not first._decode and other._prefill is not first._prefill
 
 
 def test_fixed_steps_forward_counts_singlebd_vs_multibd(engine4):

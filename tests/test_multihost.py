@@ -69,6 +69,10 @@ def offline():
     return m, engine
 
 
+# `make test-slow`: the engine's calls over a mesh spanning two processes are the service test's
+# below (the same calls, mirrored by process 0), the SPMD launch of a one-shot command is the
+# two-process training test's
+@pytest.mark.slow
 def test_two_processes_generate_what_one_does(offline):
     args = [sys.executable, "-m", "mbd_jax", "generate", "--model", "tiny-mbd", "--json",
             "--max-new-tokens", "24", "--buffer-size", "2", "--ignore-eos"]

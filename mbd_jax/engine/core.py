@@ -23,33 +23,25 @@ from collections.abc import Callable
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from mbd_jax import compile_stats
 from mbd_jax.cache.prefix_store import PrefixStore
 from mbd_jax.config import DecodeConfig, ModelConfig
-from mbd_jax.decoding import block_buffer, loop
+from mbd_jax.decoding import block_buffer
 from mbd_jax.decoding.block_buffer import DecodeState
 from mbd_jax.engine import admission, results
 from mbd_jax.engine.admission import ROW_PREFILL_MIN, Admission, PrefillCall, prefill_buckets
 from mbd_jax.engine.pages import PagePool, page_keys
 from mbd_jax.engine.prefix import PrefixGlue, PrefixHit
+from mbd_jax.engine.programs import prefix_programs, programs
 from mbd_jax.engine.results import GenerationResult
 from mbd_jax.engine.transfer import RowFetcher, RowPacker
 from mbd_jax.errors import UserError
-from mbd_jax.model.transformer import Transformer, cache_type
+from mbd_jax.model.transformer import cache_type
 from mbd_jax.parallel import mesh as meshlib
 from mbd_jax.parallel import multihost
 from mbd_jax.tokenizer import Tokenizer
-
-
-def _merge_rows(old: DecodeState, new: DecodeState, rows: jax.Array) -> DecodeState:
-    """Row b of the result is new's where rows[b], else old's (every leaf has batch first)."""
-    def pick(a, b):
-        return jnp.where(rows.reshape((-1,) + (1,) * (a.ndim - 1)), b, a)
-
-    return jax.tree.map(pick, old, new)
 
 
 class Engine:
@@ -110,29 +102,15 @@ class Engine:
         # not hold: its prompts prefill from their start.
         self.share_prefixes = (share_prefixes and page % cfg.block_size == 0
                                and cfg.sequence_module is None)
-        kv_sharding = meshlib.cache_shardings(cfg, self.mesh, batch_size, self.capacity, n_pages)
+        progs = programs(cfg, self.mesh, batch_size, self.capacity, n_pages, buffer_size, debug)
+        kv_sharding = progs.kv_sharding
         self._table_sharding = kv_sharding.table
-        self._allocate_kv = jax.jit(
-            lambda: self.cache.allocate(cfg, batch_size, self.capacity, n_pages),
-            out_shardings=kv_sharding)
+        self._allocate_kv = progs.allocate_kv
         self._table_stale = False
         self.kv = self._allocate_kv()
         self._sync_table()
-        apply_fn = Transformer(cfg, self.mesh).apply
-        self._prefill = jax.jit(functools.partial(loop.prefill, apply_fn=apply_fn),
-                                donate_argnames=("kv",), out_shardings=kv_sharding)
-        self._decode = jax.jit(
-            functools.partial(loop.decode_loop, apply_fn=apply_fn, cfg=cfg, n_slots=buffer_size,
-                              debug=debug),
-            donate_argnames=("state", "kv"), out_shardings=(replicated, kv_sharding, replicated))
-        self._merge = jax.jit(_merge_rows, donate_argnames=("old",), out_shardings=replicated)
-        # One running row decodes alone: its state row taken out, decoded over its cache row
-        # (ForwardMeta.rows), put back; the others would only be computed and discarded.
-        self._take_row = jax.jit(lambda state, row: jax.tree.map(lambda a: a[row], state),
-                                 out_shardings=replicated)
-        self._put_row = jax.jit(
-            lambda state, sub, row: jax.tree.map(lambda a, b: a.at[row].set(b), state, sub),
-            donate_argnums=0, out_shardings=replicated)
+        self._prefill, self._decode, self._merge = progs.prefill, progs.decode, progs.merge
+        self._take_row, self._put_row = progs.take_row, progs.put_row
         self._host: tuple[DecodeState, DecodeState] | None = None  # (device, host): host_view
         self._done: tuple[DecodeState, np.ndarray] | None = None  # (device, host): done_rows
         self._row_ids = [self._put(np.array([i], np.int32)) for i in range(batch_size)]
@@ -141,8 +119,10 @@ class Engine:
         self.pool_hit_tokens = 0  # of those, the ones mapped from the pool's shared prefix pages
         self.prefill_seconds_per_token = 0.0  # measured in warmup (with a prefix store)
         self._prefix = None if prefix_store is None else PrefixGlue(
-            prefix_store, cfg, self.cache, self.kv.dtype, kv_sharding, replicated, self._put,
-            batch_size, offload_blocks_per_call, self.prefill_chunk, self._bucket)
+            prefix_store, cfg, self.cache, self.kv.dtype,
+            prefix_programs(cfg, self.mesh, batch_size, self.capacity, n_pages,
+                            np.dtype(self.kv.dtype).name, offload_blocks_per_call),
+            self._put, batch_size, offload_blocks_per_call, self.prefill_chunk, self._bucket)
         self.offloader = None if self._prefix is None else self._prefix.offloader
 
     # ---------------------------------------------------------------- validation

@@ -10,12 +10,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from mbd_jax.cache.offload import KVOffloader
 from mbd_jax.cache.prefix_store import PrefixStore, state_key
 from mbd_jax.config import ModelConfig
+from mbd_jax.engine.programs import PrefixPrograms
 from mbd_jax.errors import UserError
 
 
@@ -32,11 +32,12 @@ class PrefixHit:
 
 class PrefixGlue:
     def __init__(self, store: PrefixStore, cfg: ModelConfig, cache: Any, dtype: Any,
-                 kv_sharding: Any, replicated: Any, put: Callable[[np.ndarray], jax.Array],
+                 progs: PrefixPrograms, put: Callable[[np.ndarray], jax.Array],
                  batch_size: int, blocks_per_call: int, prefill_chunk: int,
                  bucket_of: Callable[[int], int]):
-        """`cache`: the model's cache type; `dtype`: its entries'; `put`: a host array onto the
-        mesh; `bucket_of`: the prefill bucket of a token count."""
+        """`cache`: the model's cache type; `dtype`: its entries'; `progs`: the jitted loads and
+        gathers (programs.py); `put`: a host array onto the mesh; `bucket_of`: the prefill
+        bucket of a token count."""
         if store.block_size != cfg.block_size:
             raise UserError(f"prefix store block size {store.block_size} != the model's "
                             f"{cfg.block_size}")
@@ -46,28 +47,17 @@ class PrefixGlue:
         self.store, self.cfg, self.cache = store, cfg, cache
         self._put, self._bucket_of, self._prefill_chunk = put, bucket_of, prefill_chunk
         self.dtype = dtype
-        block = cache.entry_shape(cfg, cfg.block_size)  # one block's entries
-        store.expect(block, self.dtype)
-        self._load = jax.jit(lambda kv, entries, row, start: kv.load(entries, row, start),
-                             donate_argnums=0, out_shardings=kv_sharding)
-        gather = jax.jit(lambda staging, kv, rows, starts: kv.gather(
-            rows, starts, cfg.block_size), donate_argnums=0, out_shardings=replicated)
-        staging = (blocks_per_call, *block)
-        empty = jax.jit(lambda: jnp.zeros(staging, self.dtype), out_shardings=replicated)
+        store.expect(cache.entry_shape(cfg, cfg.block_size), self.dtype)  # one block's entries
+        self._load, self._load_state = progs.load, progs.load_state
         # A hybrid's rows also need their recurrent state at the boundary a hit ends on: the
         # store keeps snapshots beside the blocks (one per row and staging, at most).
         snapshot = cache.state_entry_shape(cfg)
         self.hybrid = snapshot is not None
-        states = None
         if self.hybrid:
             store.expect(snapshot, np.float32, kind="state")
-            self._load_state = jax.jit(lambda kv, entry, row: kv.load_state(entry, row),
-                                       donate_argnums=0, out_shardings=kv_sharding)
-            states = (jax.jit(lambda staging, kv, rows: kv.gather_states(rows), donate_argnums=0,
-                              out_shardings=replicated),
-                      jax.jit(lambda: jnp.zeros((batch_size, *snapshot), jnp.float32),
-                              out_shardings=replicated))
-        self.offloader = KVOffloader(store, gather, empty, batch_size, blocks_per_call, states)
+        states = (progs.gather_states, progs.empty_states) if self.hybrid else None
+        self.offloader = KVOffloader(store, progs.gather, progs.empty, batch_size,
+                                     blocks_per_call, states)
 
     def prefetch(self, prompt: Sequence[int], after: int = 0) -> PrefixHit:
         """Looks a prompt's leading full blocks up and starts the transfer of those from position

@@ -12,6 +12,7 @@ more than a batch-1 request's prefill, so per request this is most of the host o
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -49,10 +50,29 @@ def _layout(leaves: list[Any], treedef: Any) -> Layout:
     return treedef, tuple((tuple(x.shape), np.dtype(x.dtype).str) for x in leaves)
 
 
+# The jitted halves, one per layout (and sharding) per process, shared by every engine: an engine
+# built again with the same shapes traces nothing (programs.py).
+@functools.lru_cache(maxsize=256)
+def _unpacker(layout: Layout) -> Callable:
+    return jax.jit(lambda *arrays: _split(list(arrays), layout, jnp))
+
+
+@functools.lru_cache(maxsize=256)
+def _packer(layout: Layout, sharding: Any) -> Callable:
+    groups = list(_groups(layout).values())
+    return jax.jit(lambda *xs: [jnp.concatenate([xs[i].reshape(xs[i].shape[0], -1) for i in idx],
+                                                axis=1) for idx in groups],
+                   out_shardings=sharding)
+
+
+def clear() -> None:
+    _unpacker.cache_clear()
+    _packer.cache_clear()
+
+
 class RowPacker:
     def __init__(self, put: Callable[[Any], Any]):
         self._put = put  # host arrays (a list) -> the mesh (replicated), one call
-        self._unpackers: dict[Layout, Callable] = {}
 
     def __call__(self, tree: Any) -> Any:
         """`tree` (every leaf [B, ...]) on the device, as the same tree."""
@@ -61,27 +81,16 @@ class RowPacker:
         layout = _layout(leaves, treedef)
         packed = [np.concatenate([leaves[i].reshape(len(leaves[i]), -1) for i in idx], axis=1)
                   for idx in _groups(layout).values()]
-        unpack = self._unpackers.get(layout)
-        if unpack is None:
-            unpack = self._unpackers[layout] = jax.jit(
-                lambda *arrays: _split(list(arrays), layout, jnp))
-        return unpack(*self._put(packed))
+        return _unpacker(layout)(*self._put(packed))
 
 
 class RowFetcher:
     def __init__(self, sharding: Any = None):
         self._sharding = sharding  # of the packed arrays (the engine's: replicated over its mesh)
-        self._packers: dict[Layout, Callable] = {}
 
     def __call__(self, tree: Any) -> Any:
         """`tree` (every leaf [B, ...] on the device; None leaves stay None) on the host, as the
         same tree of NumPy arrays (views into one array per dtype)."""
         leaves, treedef = jax.tree.flatten(tree)
         layout = _layout(leaves, treedef)
-        pack = self._packers.get(layout)
-        if pack is None:
-            groups = list(_groups(layout).values())
-            pack = self._packers[layout] = jax.jit(lambda *xs: [
-                jnp.concatenate([xs[i].reshape(xs[i].shape[0], -1) for i in idx], axis=1)
-                for idx in groups], out_shardings=self._sharding)
-        return _split(jax.device_get(pack(*leaves)), layout, np)
+        return _split(jax.device_get(_packer(layout, self._sharding)(*leaves)), layout, np)
