@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from mbd_jax.config import ModelConfig
 from mbd_jax.decoding import loop
 from mbd_jax.decoding.block_buffer import DecodeState
+from mbd_jax.engine import transfer
 from mbd_jax.model.transformer import Transformer, cache_type
 from mbd_jax.parallel import mesh as meshlib
 
@@ -116,8 +117,6 @@ def prefix_programs(cfg: ModelConfig, mesh: jax.sharding.Mesh, batch_size: int, 
 def clear() -> None:
     """Forgets every shared program (and transfer.py's packers): the next engine builds and
     compiles its own, as in a fresh process (for tests that count compilations)."""
-    from mbd_jax.engine import transfer
-
     programs.cache_clear()
     prefix_programs.cache_clear()
     transfer.clear()

@@ -248,8 +248,8 @@ class Trainer:
 
     def fit(self, steps: int | None = None, progress: Progress = "bar") -> list[dict[str, float]]:
         """Trains until step `steps` (default tcfg.stop_at, else tcfg.steps), checkpointing every
-        checkpoint_every; `progress`: a bar, a log (one JSON line of metrics per log_every steps on stderr), or
-        nothing."""
+        checkpoint_every; `progress`: a bar, a log (one JSON line of metrics per log_every steps
+        on stderr), or nothing."""
         from tqdm import tqdm
 
         tcfg = self.tcfg
