@@ -290,7 +290,7 @@ def test_the_shipped_training_configs_load_and_chain():
     from mbd_jax.train.config import load_train_config
 
     configs = {p.name: load_train_config(p) for p in sorted((ROOT / "configs/train").glob("*.yaml"))}
-    assert {"tiny-bd-base.yaml", "tiny-bd.yaml", "tiny-mbd.yaml"} <= set(configs)
+    assert {"recall-lookup.yaml", "tiny-bd.yaml", "tiny-mbd.yaml"} <= set(configs)
     outputs = {c.output_dir() for c in configs.values()} | {ROOT / "models" / "tiny-bd"}
     assert len({c.output_dir() for c in configs.values()}) == len(configs)
     assert len({c.checkpoint_dir for c in configs.values()}) == len(configs)
@@ -301,7 +301,7 @@ def test_the_shipped_training_configs_load_and_chain():
     make = (ROOT / "Makefile").read_text()
     stages = [line.split("--config configs/train/")[1].split()[0]
               for line in make.splitlines() if "train --config configs/train/" in line]
-    assert stages == ["tiny-bd-base.yaml", "tiny-bd-stage2.yaml", "tiny-bd-stage3.yaml",
+    assert stages == ["recall-lookup.yaml", "recall-then-mix.yaml", "recall-then-mix-arith.yaml",
                       "tiny-bd.yaml", "tiny-mbd.yaml"]
     for i, stage in enumerate(stages[1:-1], 1):  # each trains on from the stage before it
         assert configs[stage].path(configs[stage].model) == configs[stages[i - 1]].output_dir()
