@@ -32,7 +32,8 @@ from mbd_jax.train import tasks
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LIMIT = 20  # held-out prompts per task in the chat format (100 in all)
 FORMAT_LIMIT = 8  # per task, for each other format
-# SingleBD (tiny-bd, N_buf 1) per task; measured arith 85, sort 100, reverse 100, recall 95, sortrev 100
+# SingleBD (tiny-bd, N_buf 1) per task; measured arith 85, sort 100, reverse 100, recall 95,
+# sortrev 100
 ACCURACY_FLOORS = {"arith": 0.75, "sort": 0.9, "reverse": 0.9, "recall": 0.85, "sortrev": 0.9}
 # the default model (MBD), pooled over the tasks; measured at 8 per task: system 90, multiturn 95,
 # raw 42.5 (raw text is its weak spot: docs/training.md), thinking 85
