@@ -54,10 +54,16 @@ def run_on_8_cpu_devices(script: str):
 
 @functools.cache
 def tiny_cfg(**overrides) -> ModelConfig:
-    cfg = load_model_config(MODEL_PRESET_DIR / "tiny-random.yaml")
+    cfg = load_model_config(MODEL_PRESET_DIR / "tiny-test.yaml")
     cfg = dataclasses.replace(cfg, **overrides)
     cfg.validate("test")
     return cfg
+
+
+def layer_1(params: dict) -> dict:
+    """Layer 1's parameters (the first MoE layer of the tiny presets): `layer_1` unrolled, its
+    run `layers_1_*` scanned (each leaf stacked on a leading layer axis)."""
+    return params.get("layer_1") or next(v for k, v in params.items() if k.startswith("layers_1_"))
 
 
 @functools.cache

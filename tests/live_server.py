@@ -70,7 +70,7 @@ class Server:
         self.tmp = tmp
         self.port, self.admin_port = free_port(), free_port() if admin else 0
         cfg = {
-            "model": "tiny-random",
+            "model": "tiny-test",
             "generation": {"max_new_tokens": 24, "max_new_tokens_limit": 1024},
             "decoding": {"buffer_size": 2},
             "server": {"max_batch_size": 8, "buffer_size": 2, "prefill_chunk": 64,

@@ -19,7 +19,7 @@ def run(*args, timeout=300):
 
 def test_generate_json_and_profile(tmp_path):
     prof = tmp_path / "trace"
-    r = run("generate", "--model", "tiny-random", "--prompt", "What is 12 + 30?", "--prompt-ids", "11,12,13",
+    r = run("generate", "--model", "tiny-test", "--prompt", "What is 12 + 30?", "--prompt-ids", "11,12,13",
             "--max-new-tokens", "12", "--json", "--profile", str(prof), "--seed", "3")
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in r.stdout.splitlines()]

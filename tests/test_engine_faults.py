@@ -32,7 +32,7 @@ def engine():
 
 
 def scheduler(engine, max_engine_failures=3) -> Scheduler:
-    cfg = ServeConfig(model="tiny-random", decoding=DecodeConfig(buffer_size=2),
+    cfg = ServeConfig(model="tiny-test", decoding=DecodeConfig(buffer_size=2),
                       server=dataclasses.replace(ServerConfig(), max_batch_size=2, buffer_size=2,
                                                  steps_per_call=4,
                                                  max_engine_failures=max_engine_failures))

@@ -143,14 +143,14 @@ def test_param_count_matches_transformers(converted):
 
 # ---------------------------------------------------------------- the state cache
 def hybrid_cfg(mode: str, loop: str = "unrolled"):
-    """tiny-random as a hybrid: layer 0 (dense MLP) and 2 (MoE) linear attention, layer 1 gated
-    attention; block 8, chunk 16."""
+    """tiny-random (three layers, seed 0) as a hybrid: layer 0 (dense MLP) and 2 (MoE) linear
+    attention, layer 1 gated attention; block 8, chunk 16."""
     sm = SequenceModule(type="gated_deltanet", block_mode=mode,
                         layer_types=("linear_attention", "full_attention", "linear_attention"),
                         num_key_heads=2, num_value_heads=4, key_head_dim=16, value_head_dim=8,
                         conv_kernel=4, chunk_size=16)
-    kw = dict(sequence_module=sm, attention_output_gate=True, norm_weight_offset=True,
-              shared_expert_gate=True, layer_loop=loop)
+    kw = dict(num_layers=3, seed=0, sequence_module=sm, attention_output_gate=True,
+              norm_weight_offset=True, shared_expert_gate=True, layer_loop=loop)
     return tiny_cfg(**kw), tiny_params(**kw)
 
 

@@ -9,7 +9,7 @@ import numpy as np
 from mbd_jax.model.forward_meta import ForwardMeta
 from mbd_jax.model.kv_cache import KVCache
 from mbd_jax.model import layers, rope
-from tests.conftest import tiny_cfg
+from tests.conftest import tiny_cfg, tiny_params
 
 
 def np_rope(x, pos, theta, rot):
@@ -133,13 +133,14 @@ def test_kv_write_puts_each_row_at_its_offset_in_one_layer():
     assert not np.asarray(kv.rows_view()[0])[1, 1].any()
 
 
-def test_every_parameter_carries_logical_axes(cfg, params):
+def test_every_parameter_carries_logical_axes():
     """The sharding rules map these names to mesh axes: every parameter has one name per dim,
     experts are on 'expert', heads on 'heads' / 'kv_heads', the vocab on 'vocab'."""
     from flax.traverse_util import flatten_dict
 
     from mbd_jax.model.transformer import param_logical_axes
 
+    cfg, params = tiny_cfg(num_layers=3), tiny_params(num_layers=3)  # a run of two MoE layers
     axes = flatten_dict(param_logical_axes(cfg))
     shapes = flatten_dict(params)
     assert axes.keys() == shapes.keys()

@@ -20,15 +20,22 @@ from tests.conftest import tiny_cfg
 TOL = 1e-5
 
 
+@pytest.fixture
+def cfg():
+    """tiny-random's three layers: the dense one, then a run of two MoE layers to scan (the
+    suite's two-layer model has no run longer than one)."""
+    return tiny_cfg(num_layers=3)
+
+
 def loops(cfg):
     return (dataclasses.replace(cfg, layer_loop="unrolled"),
             dataclasses.replace(cfg, layer_loop="scan"))
 
 
 def test_runs_group_consecutive_layers_of_one_kind():
-    assert layout.runs(tiny_cfg()) == [(0, 1), (1, 3)]  # first_k_dense 1, then MoE
-    assert layout.runs(tiny_cfg(first_k_dense=0)) == [(0, 3)]
-    assert layout.runs(tiny_cfg(num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0,
+    assert layout.runs(tiny_cfg(num_layers=3)) == [(0, 1), (1, 3)]  # first_k_dense 1, then MoE
+    assert layout.runs(tiny_cfg(num_layers=3, first_k_dense=0)) == [(0, 3)]
+    assert layout.runs(tiny_cfg(num_layers=3, num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0,
                                 first_k_dense=0)) == [(0, 3)]
 
 
@@ -146,7 +153,7 @@ def test_param_shapes_are_what_init_params_returns(loop):
     runtime model) have init_params' tree, shapes and dtypes in either layout."""
     from mbd_jax.model.transformer import param_logical_axes, param_shapes
 
-    cfg = tiny_cfg(layer_loop=loop)
+    cfg = tiny_cfg(num_layers=3, layer_loop=loop)
     want, got = jax.eval_shape(lambda: init_params(cfg)), param_shapes(cfg)
     assert jax.tree.structure(got) == jax.tree.structure(want)
     assert [(g.shape, g.dtype) for g in jax.tree.leaves(got)] == [

@@ -35,7 +35,7 @@ FORWARD = textwrap.dedent("""
     from mbd_jax.model.forward_meta import ForwardMeta
     from mbd_jax.model.transformer import Transformer, block_causal_mask, init_params
     from mbd_jax.parallel import mesh as meshlib
-    from tests.conftest import tiny_cfg
+    from tests.conftest import layer_1, tiny_cfg
     assert jax.device_count() == 8
     out = []
     # Every mesh shape for one path; two shapes (expert alone, expert with tensor) for the others;
@@ -64,7 +64,7 @@ FORWARD = textwrap.dedent("""
             got = np.asarray(compiled(sharded, tokens, pos))
             hlo = compiled.as_text()
             # per-layer shapes (a scanned run stacks its layers on a leading axis)
-            experts = (sharded.get("layer_1") or sharded["layers_1_3"])["moe"]["experts_up"]
+            experts = layer_1(sharded)["moe"]["experts_up"]
             q = (sharded.get("layer_0") or sharded["layers_0_1"])["attn"]["q_proj"]
             kv = jax.tree.leaves(meshlib.cache_shardings(cfg, m, 2, 64))[0]  # scan: all layers
             out.append({"router": router, "impl": impl, "mesh": shape, "err": float(np.abs(got - ref).max()),
@@ -160,7 +160,7 @@ RESTORE = textwrap.dedent("""
     from mbd_jax.model.forward_meta import ForwardMeta
     from mbd_jax.model.transformer import Transformer, block_causal_mask, init_params
     from mbd_jax.parallel import mesh as meshlib
-    from tests.conftest import tiny_cfg
+    from tests.conftest import layer_1, tiny_cfg
     cfg = tiny_cfg(num_heads=8, num_kv_heads=8, n_group=4, topk_group=2, tokenizer=None)
     write = meshlib.make_mesh(meshlib.parse_mesh("expert=4,tensor=2"))
     params = init_params(cfg, mesh=write)  # each device computes its own shards
@@ -181,7 +181,7 @@ RESTORE = textwrap.dedent("""
         loaded = load_model(sys.argv[1], mesh=mesh).params
         want = meshlib.param_shardings(cfg, mesh)
         placed = all(a.sharding == w for a, w in zip(jax.tree.leaves(loaded), jax.tree.leaves(want)))
-        up = (loaded.get("layer_1") or loaded["layers_1_3"])["moe"]["experts_up"]
+        up = layer_1(loaded)["moe"]["experts_up"]
         out[spec] = {"err": float(np.abs(logits(mesh, loaded) - ref).max()), "placed": placed,
                      "experts_local": list(up.addressable_shards[0].data.shape)[-3:]}
     print(json.dumps(out))

@@ -151,7 +151,7 @@ def serve(engine: Engine, work: list[tuple[list[int], DecodeConfig]],
           kv_pool_tokens: int | None = None) -> list[tuple]:
     """Submits every request at once to a 4-row scheduler over `engine`; returns each one's
     last event (("done", result) or ("error", ...)) in order."""
-    cfg = ServeConfig(model="tiny-random", decoding=DecodeConfig(buffer_size=2),
+    cfg = ServeConfig(model="tiny-test", decoding=DecodeConfig(buffer_size=2),
                       server=dataclasses.replace(ServerConfig(), max_batch_size=4, buffer_size=2,
                                                  steps_per_call=4, kv_pool_tokens=kv_pool_tokens))
     s = Scheduler(engine, cfg, Metrics())

@@ -38,7 +38,7 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def offline():
     """Offline generation with the server's model and decoding defaults."""
-    m = load_model("tiny-random")
+    m = load_model("tiny-test")
     engine = Engine(m.cfg, m.params, batch_size=8, buffer_size=2, prefill_chunk=64,
                     tokenizer=m.tokenizer)
 
@@ -58,48 +58,48 @@ def test_openai_client_matches_offline_generate(server, offline):
     tok = offline.tokenizer
     prompt = "What is 12 + 30?"
     (want,) = offline([tok.encode(prompt)], max_new_tokens=20, temperature=0.7, seed=5)
-    r = c.completions.create(model="tiny-random", prompt=prompt, max_tokens=20, temperature=0.7, seed=5)
+    r = c.completions.create(model="tiny-test", prompt=prompt, max_tokens=20, temperature=0.7, seed=5)
     assert r.choices[0].text == want.text
     assert r.usage.completion_tokens == len(want.token_ids)
     streamed = "".join(ch.choices[0].text for ch in c.completions.create(
-        model="tiny-random", prompt=prompt, max_tokens=20, temperature=0.7, seed=5, stream=True)
+        model="tiny-test", prompt=prompt, max_tokens=20, temperature=0.7, seed=5, stream=True)
         if ch.choices)
     assert streamed == want.text
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Sort: 3 1 2"}]
     (want,) = offline([tok.encode(chat.render(messages))], max_new_tokens=30)
-    r = c.chat.completions.create(model="tiny-random", messages=messages, max_tokens=30)
+    r = c.chat.completions.create(model="tiny-test", messages=messages, max_tokens=30)
     assert r.choices[0].message.content == want.text
     assert r.choices[0].finish_reason == "length"
-    chunks = list(c.chat.completions.create(model="tiny-random", messages=messages, max_tokens=30,
+    chunks = list(c.chat.completions.create(model="tiny-test", messages=messages, max_tokens=30,
                                             stream=True, stream_options={"include_usage": True}))
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want.text
     assert chunks[-1].usage.completion_tokens == len(want.token_ids)
     assert len([ch for ch in chunks if ch.choices and ch.choices[0].delta.content]) >= 2  # per block
-    assert [m.id for m in c.models.list().data] == ["tiny-random"]
+    assert [m.id for m in c.models.list().data] == ["tiny-test"]
 
 
 def test_unknown_models_are_404_and_the_model_card_is_served(server):
     c = client(server)
     with pytest.raises(openai.NotFoundError) as e:
         c.completions.create(model="gpt-4o", prompt="hi", max_tokens=4)
-    assert e.value.body["param"] == "model" and "tiny-random" in e.value.body["message"]
+    assert e.value.body["param"] == "model" and "tiny-test" in e.value.body["message"]
     with pytest.raises(openai.NotFoundError):
         c.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
-    card = c.models.retrieve("tiny-random")
-    assert card.id == "tiny-random" and card.model_extra["max_model_len"] == 1024
+    card = c.models.retrieve("tiny-test")
+    assert card.id == "tiny-test" and card.model_extra["max_model_len"] == 1024
     with pytest.raises(openai.NotFoundError):
         c.models.retrieve("gpt-4o")
     r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                    json={"prompt": "hi", "max_tokens": 4}, timeout=60)  # no model: the served one
-    assert r.status_code == 200 and r.json()["model"] == "tiny-random"
+    assert r.status_code == 200 and r.json()["model"] == "tiny-test"
 
 
 def test_sampling_without_a_seed_is_fresh_and_a_seed_replays(server):
     c = client(server)
 
     def texts(**seed):
-        return [c.completions.create(model="tiny-random", prompt="Once upon a time", max_tokens=24,
+        return [c.completions.create(model="tiny-test", prompt="Once upon a time", max_tokens=24,
                                      temperature=2.0, **seed).choices[0].text for _ in range(3)]
 
     assert len(set(texts())) > 1
@@ -244,7 +244,7 @@ def test_metrics_parse_and_move(server):
     assert "mbd_empty_responses_total" in after
     info = [k for k in after if k.startswith("mbd_model_info")]  # which model (version) serves
     assert len(info) == 1 and after[info[0]] == 1, info
-    assert '"name": "tiny-random"' in info[0] and 'tiny-random.yaml", "version": ""' in info[0], info
+    assert '"name": "tiny-test"' in info[0] and 'tiny-test.yaml", "version": ""' in info[0], info
     assert not [k for k in after if k.startswith("mbd_device_memory_bytes")]
     text = httpx.get(server.admin + "/metrics", timeout=10).text
     assert re.search(r"# TYPE mbd_compilations(_total)? counter", text)
@@ -467,7 +467,7 @@ def test_shared_system_prompt_hits_the_prefix_cache_across_a_restart(tmp_path, o
             c = client(srv)
             got, cached = [], []
             for m in messages:  # one after another: each finds the blocks the last one stored
-                r = c.chat.completions.create(model="tiny-random", messages=m, max_tokens=16)
+                r = c.chat.completions.create(model="tiny-test", messages=m, max_tokens=16)
                 got.append(r.choices[0].message.content)
                 cached.append(r.usage.prompt_tokens_details.cached_tokens)
             assert got == expected
@@ -496,7 +496,7 @@ def test_batched_prompts_token_ids_and_n_choices_match_offline(server, offline):
     (index = prompt * n + j, choice j sampled with seed + j); usage counts each prompt once."""
     c, tok = client(server), offline.tokenizer
     prompts = ["Once upon a time", "Sort: 3 1 2"]
-    r = c.completions.create(model="tiny-random", prompt=prompts, n=2, max_tokens=10,
+    r = c.completions.create(model="tiny-test", prompt=prompts, n=2, max_tokens=10,
                              temperature=1.0, seed=7)
     assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
     for ch in r.choices:
@@ -505,25 +505,25 @@ def test_batched_prompts_token_ids_and_n_choices_match_offline(server, offline):
         assert ch.text == want.text, ch.index
     assert r.usage.prompt_tokens == sum(len(tok.encode(p)) for p in prompts)
     assert r.usage.completion_tokens == 40
-    by_ids = c.completions.create(model="tiny-random", prompt=[tok.encode(p) for p in prompts],
+    by_ids = c.completions.create(model="tiny-test", prompt=[tok.encode(p) for p in prompts],
                                   max_tokens=10, temperature=1.0, seed=7, n=2)
     assert [ch.text for ch in by_ids.choices] == [ch.text for ch in r.choices]
-    single = c.completions.create(model="tiny-random", prompt=tok.encode(prompts[1]),
+    single = c.completions.create(model="tiny-test", prompt=tok.encode(prompts[1]),
                                   max_tokens=10, temperature=1.0, seed=9)
     assert single.choices[0].text == r.choices[2].text  # seed 9 = choice 2's seed 7 + 2
 
 
 def test_stop_strings_cut_the_text_and_free_the_row(server):
     c = client(server)
-    full = c.completions.create(model="tiny-random", prompt="Once upon a time", max_tokens=40)
+    full = c.completions.create(model="tiny-test", prompt="Once upon a time", max_tokens=40)
     text = full.choices[0].text
     stop = next(text[i: i + 3] for i in range(4, len(text) - 3) if text[i: i + 3].strip())
     cut = text[: text.index(stop)]
-    r = c.completions.create(model="tiny-random", prompt="Once upon a time", max_tokens=40,
+    r = c.completions.create(model="tiny-test", prompt="Once upon a time", max_tokens=40,
                              stop=["never appears \u2603", stop])
     assert r.choices[0].text == cut and stop not in r.choices[0].text
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 40
-    streamed = list(c.completions.create(model="tiny-random", prompt="Once upon a time",
+    streamed = list(c.completions.create(model="tiny-test", prompt="Once upon a time",
                                          max_tokens=40, stop=stop, stream=True))
     assert "".join(ch.choices[0].text for ch in streamed) == cut
     assert streamed[-1].choices[0].finish_reason == "stop"
@@ -532,7 +532,7 @@ def test_stop_strings_cut_the_text_and_free_the_row(server):
     while server.metrics()["mbd_busy_rows"] != 0 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert server.metrics()["mbd_busy_rows"] == 0
-    assert c.completions.create(model="tiny-random", prompt="Once upon a time", max_tokens=40,
+    assert c.completions.create(model="tiny-test", prompt="Once upon a time", max_tokens=40,
                                 stop=[]).choices[0].text == text
 
 
@@ -543,7 +543,7 @@ def test_chat_stream_with_n_and_usage_developer_role_and_content_parts(server, o
                 {"role": "user", "content": "What is 2 + 2?"}]
     as_system = [{"role": "system", "content": "Be\nbrief."}, messages[1]]
     chunks = list(c.chat.completions.create(
-        model="tiny-random", messages=messages, max_tokens=12, n=2, temperature=1.0, seed=4,
+        model="tiny-test", messages=messages, max_tokens=12, n=2, temperature=1.0, seed=4,
         stream=True, stream_options={"include_usage": True}))
     texts, reasons = {0: "", 1: ""}, {}
     for ch in chunks[:-1]:
@@ -561,9 +561,9 @@ def test_chat_stream_with_n_and_usage_developer_role_and_content_parts(server, o
 
 def test_top_k_one_is_greedy_at_any_temperature(server):
     c = client(server)
-    greedy = c.completions.create(model="tiny-random", prompt="Once upon a time", max_tokens=16)
+    greedy = c.completions.create(model="tiny-test", prompt="Once upon a time", max_tokens=16)
     for _ in range(2):  # unseeded: fresh randomness, which top_k 1 leaves no room for
-        r = c.completions.create(model="tiny-random", prompt="Once upon a time", max_tokens=16,
+        r = c.completions.create(model="tiny-test", prompt="Once upon a time", max_tokens=16,
                                  temperature=2.0, extra_body={"top_k": 1})
         assert r.choices[0].text == greedy.choices[0].text
 
@@ -572,14 +572,14 @@ def test_harmless_fields_are_accepted_and_logged_and_thinking_kwargs_work(server
     c = client(server)
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
     r = c.chat.completions.create(
-        model="tiny-random", messages=messages, max_tokens=8, user="u1", store=False,
+        model="tiny-test", messages=messages, max_tokens=8, user="u1", store=False,
         metadata={"team": "a"}, parallel_tool_calls=False, tool_choice="none",
         response_format={"type": "text"}, extra_body={"chat_template_kwargs": {"foo": 1}})
     assert r.choices[0].message.content
     assert "ignoring store, metadata, parallel_tool_calls, chat_template_kwargs.foo" in server.log_text()
     # thinking switched by chat_template_kwargs: the thinking template, the reply in
     # reasoning_content up to </think> (this random model never closes it)
-    r = c.chat.completions.create(model="tiny-random", messages=messages, max_tokens=16,
+    r = c.chat.completions.create(model="tiny-test", messages=messages, max_tokens=16,
                                   extra_body={"chat_template_kwargs": {"enable_thinking": True}})
     (want,) = offline([offline.tokenizer.encode(chat.render(messages, thinking=True))],
                       max_new_tokens=16)
@@ -602,24 +602,24 @@ def test_logprobs_of_the_chosen_tokens(server, offline):
     c, tok = client(server), offline.tokenizer
     prompt = "Once upon a time"
     (want,) = offline([tok.encode(prompt)], max_new_tokens=12)
-    r = c.completions.create(model="tiny-random", prompt=prompt, max_tokens=12, logprobs=0)
+    r = c.completions.create(model="tiny-test", prompt=prompt, max_tokens=12, logprobs=0)
     lp = r.choices[0].logprobs
     assert lp.token_logprobs == pytest.approx(want.logprobs, abs=1e-6)
     assert "".join(lp.tokens) == r.choices[0].text == want.text
     assert [r.choices[0].text[: o] for o in lp.text_offset] == \
         ["".join(lp.tokens[:i]) for i in range(len(lp.tokens))]
     streamed = [ch.choices[0].logprobs for ch in c.completions.create(
-        model="tiny-random", prompt=prompt, max_tokens=12, logprobs=0, stream=True)]
+        model="tiny-test", prompt=prompt, max_tokens=12, logprobs=0, stream=True)]
     assert [x for s in streamed if s for x in s.token_logprobs] == lp.token_logprobs
-    chat_r = c.chat.completions.create(model="tiny-random", max_tokens=8, logprobs=True,
+    chat_r = c.chat.completions.create(model="tiny-test", max_tokens=8, logprobs=True,
                                        messages=[{"role": "user", "content": prompt}])
     content = chat_r.choices[0].logprobs.content
     assert len(content) == chat_r.usage.completion_tokens and all(t.logprob <= 0 for t in content)
     assert "".join(t.token for t in content) == chat_r.choices[0].message.content
-    assert c.completions.create(model="tiny-random", prompt=prompt,
+    assert c.completions.create(model="tiny-test", prompt=prompt,
                                 max_tokens=4).choices[0].logprobs is None
     with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model="tiny-random", max_tokens=4, logprobs=True, top_logprobs=3,
+        c.chat.completions.create(model="tiny-test", max_tokens=4, logprobs=True, top_logprobs=3,
                                   messages=[{"role": "user", "content": prompt}])
     assert e.value.body["param"] == "top_logprobs"
 
@@ -644,9 +644,9 @@ def test_https_on_the_data_port_and_plain_http_refused_there(tmp_path, offline):
         c = openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0, timeout=120,
                           http_client=httpx.Client(verify=s.verify))
         (want,) = offline([offline.tokenizer.encode(secret)], max_new_tokens=12)
-        r = c.completions.create(model="tiny-random", prompt=secret, max_tokens=12)
+        r = c.completions.create(model="tiny-test", prompt=secret, max_tokens=12)
         assert r.choices[0].text == want.text
-        c.chat.completions.create(model="tiny-random", max_tokens=4, store=True,  # one warning
+        c.chat.completions.create(model="tiny-test", max_tokens=4, store=True,  # one warning
                                   messages=[{"role": "user", "content": secret}])
         with pytest.raises(httpx.TransportError):
             httpx.get(f"http://127.0.0.1:{s.port}/ready", timeout=10)
@@ -663,7 +663,7 @@ def test_https_on_the_data_port_and_plain_http_refused_there(tmp_path, offline):
     assert all(p.stat().st_size <= 1024 for p in logs)
     assert "ignoring store" in text  # the request was logged about ...
     assert "zebra" not in text  # ... without its text
-    r = subprocess.run([sys.executable, "-m", "mbd_jax", "serve", "--model", "tiny-random",
+    r = subprocess.run([sys.executable, "-m", "mbd_jax", "serve", "--model", "tiny-test",
                         "--port", str(free_port()), "--admin-port", "0",
                         "--ssl-certfile", str(cert), "--ssl-keyfile", str(tmp_path / "none.pem")],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)

@@ -115,6 +115,7 @@ def test_resume_gives_the_same_next_step_loss(tmp_path):
 
 SHARDED_SCRIPT = textwrap.dedent("""
     import dataclasses, json, jax, numpy as np
+    from tests.conftest import layer_1
     from tests.test_train import small_model, tcfg
     from mbd_jax.parallel import mesh as meshlib
     from mbd_jax.train.trainer import Trainer, data_mesh
@@ -126,10 +127,8 @@ SHARDED_SCRIPT = textwrap.dedent("""
                 meshlib.make_mesh(meshlib.parse_mesh(name)))
         t = Trainer(tcfg(objective="multitf", g_max=2), cfg, params, tok, mesh=mesh)
         losses = [t.train_step()["loss"] for _ in range(3)]
-        layer_1 = lambda tree: (tree.get("layer_1") or next(  # noqa: E731 (scan: stacked)
-            v for k, v in tree.items() if k.startswith("layers_1_")))["moe"]["experts_up"]
-        leaf = layer_1(t.state["params"])
-        mu = layer_1(t.state["opt_state"][1][0].mu)
+        leaf = layer_1(t.state["params"])["moe"]["experts_up"]
+        mu = layer_1(t.state["opt_state"][1][0].mu)["moe"]["experts_up"]
         out[name] = {"losses": losses, "params": [np.asarray(x).ravel().tolist()
                                                   for x in jax.tree.leaves(t.state["params"])],
                      "batch_shards": len(t.batch_sharding.addressable_devices),
