@@ -1,7 +1,8 @@
 """The shape of the MBD paper's Table 1 on the shipped tiny models, in one run on the same prompts.
 
     python tools/table1.py [--limit 50] [--thresholds 0.5,0.7,0.8,0.9,0.95,0.99] [--plot docs/table1.png]
-                           [--bd tiny-bd] [--mbd tiny-mbd]
+                           [--bd tiny-bd] [--mbd tiny-mbd] > run.json
+    python tools/table1.py --plot-from run.json --plot docs/table1.png   # redraw, no run
 
 Rows: SingleBD (the BD model, N_buf 1), training-free MultiBD (the BD model, N_buf 2), MBD (the
 MultiTF model, N_buf 2), MBD with the edit sampling mode, with the factor policy and with the
@@ -51,12 +52,23 @@ def main() -> None:
     ap.add_argument("--bd", default="tiny-bd", help="the block-diffusion (SingleBD) model")
     ap.add_argument("--mbd", default="tiny-mbd", help="the MultiTF post-trained model")
     ap.add_argument("--plot", help="write the accuracy-vs-TPF plot here (PNG)")
+    ap.add_argument("--plot-from", metavar="RUN.json",
+                    help="no run: draw --plot from a run's saved JSON (this tool's stdout)")
     args = ap.parse_args()
+    if args.plot_from and not args.plot:
+        ap.error("--plot-from needs --plot (where to write the PNG)")
     if args.plot:  # say so before the run, not after it
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             ap.error("--plot needs matplotlib: pip install -e '.[bench]'")
+    if args.plot_from:
+        try:
+            results = json.loads(pathlib.Path(args.plot_from).read_text())["results"]
+        except (OSError, ValueError, KeyError) as e:
+            ap.error(f"--plot-from {args.plot_from}: not a saved run of this tool ({e})")
+        plot(results, args.plot)
+        return
     thresholds = sorted({float(t) for t in args.thresholds.split(",")} | {args.main_threshold})
 
     models = {"bd": load_model(args.bd), "mbd": load_model(args.mbd)}
@@ -102,27 +114,32 @@ def main() -> None:
                       "semi_complete_threshold": decode.semi_complete_threshold,
                       "max_new_tokens": decode.max_new_tokens, "results": out}))
     if args.plot:
-        import matplotlib
+        plot(out, args.plot)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for label, *_ in ROWS:
-            pts = [o for o in out if o["row"] == label]
-            if len(pts) > 1:
-                ax.plot([p["tpf"] for p in pts], [100 * p["accuracy"] for p in pts], "o-",
-                        label=label)
-        ax.set_xlabel("tokens per forward (TPF)")
-        ax.set_ylabel("exact-match accuracy (%)")
-        accs = [100 * o["accuracy"] for o in out]
-        ax.set_ylim(max(0, min(accs) - 5), min(100, max(accs) + 5))
-        ax.set_title("held-out tasks, one point per accept threshold", fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
-        print(f"wrote {args.plot}", file=sys.stderr)
+def plot(results: list[dict], path: str) -> None:
+    """The accuracy-vs-TPF plot: one line per row run at several accept thresholds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, *_ in ROWS:
+        pts = [o for o in results if o["row"] == label]
+        if len(pts) > 1:
+            ax.plot([p["tpf"] for p in pts], [100 * p["accuracy"] for p in pts], "o-",
+                    label=label)
+    ax.set_xlabel("tokens per forward (TPF)")
+    ax.set_ylabel("exact-match accuracy (%)")
+    accs = [100 * o["accuracy"] for o in results]
+    ax.set_ylim(max(0, min(accs) - 5), min(100, max(accs) + 5))
+    ax.set_title("held-out tasks, one point per accept threshold", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":
