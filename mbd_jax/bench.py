@@ -109,6 +109,7 @@ def bench_decode(cfg: ModelConfig, params: Any, *, batch: int, prompt_len: int, 
         flops = step_flops(cfg, batch, n_buf * cfg.block_size, context)
         rows.append({
             "moe_impl": impl,
+            "moe_paths": engine.moe_paths,  # the path each decode program ran (measure: timed)
             "layer_loop": layout.resolve_loop(loop),
             "buffer_size": n_buf,
             "tokens_per_s": statistics.median(tok_s),

@@ -64,13 +64,18 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     without editing it (its checksum covers it)."""
     import typing
 
-    from mbd_jax.config import AUTO, AttentionImpl, DType, LayerLoop, MoeImpl
+    from mbd_jax.config import AUTO, MEASURED, AttentionImpl, DType, LayerLoop, MoeImpl
 
     def auto(field: str) -> str:
         table = AUTO[field]
         if "cpu" not in table:
             return f"auto = {table['*']}"
-        return f"auto = {table['cpu']} on CPU, {table['*']} elsewhere"
+        text = f"auto = {table['cpu']} on CPU, {table['*']} elsewhere"
+        if field in MEASURED:
+            cpu, other = MEASURED[field]["cpu"], MEASURED[field]["*"]
+            text += (f"; measure = the faster of {'/'.join(cpu)} on CPU ({'/'.join(other)} "
+                     "elsewhere) per decode program, timed at warm-up")
+        return text
 
     g = p.add_argument_group("runtime settings (default: the model's config)")
     g.add_argument("--moe-impl", choices=typing.get_args(MoeImpl), help="expert path; " + auto("moe_impl"))

@@ -34,7 +34,9 @@ MODEL_PRESET_DIR = DATA_ROOT / "configs" / "models"  # architectures (random ini
 SHIPPED_MODEL_DIR = DATA_ROOT / "models"  # trained models shipped with mbd-jax (tiny-bd, tiny-mbd)
 
 RouterType = Literal["softmax_topk", "sigmoid_grouped"]
-MoeImpl = Literal["auto", "dense", "ragged", "tiled", "looped"]  # auto: chosen per backend (model/moe.py)
+# auto: chosen per backend (AUTO below); measure: an engine's warm-up times the backend's candidates
+# (MEASURED below) on each of its decode programs and keeps the faster (engine/core.py)
+MoeImpl = Literal["auto", "measure", "dense", "ragged", "tiled", "looped"]
 AttentionImpl = Literal["chunked", "dense"]
 # How the layers run: one lax.scan per run of identical layers (compile time and program size
 # flat in depth) or unrolled; auto: per backend (AUTO below).
@@ -53,16 +55,37 @@ AUTO: dict[str, dict[str, str]] = {
 }
 
 
-def resolve_auto(field: str, value: str, backend: str | None = None) -> str:
-    """What `value` of setting `field` stands for on `backend` (default: JAX's default one)."""
-    if value != "auto":
-        return value
+# The expert paths `moe_impl: measure` times, per backend: at a few copies per expert computing
+# every expert for every token can beat the loop over the hit ones on CPU (docs/performance.md),
+# and which one wins depends on the model, the batch and the host.
+MEASURED: dict[str, dict[str, tuple[str, ...]]] = {
+    "moe_impl": {"cpu": ("looped", "dense"), "*": ("ragged", "dense")},
+}
+
+
+def _backend(backend: str | None) -> str:
     if backend is None:
         import jax
 
         backend = jax.default_backend()
+    return backend
+
+
+def resolve_auto(field: str, value: str, backend: str | None = None) -> str:
+    """What `value` of setting `field` stands for on `backend` (default: JAX's default one).
+    `measure` is `auto` wherever no engine warm-up has measured (training, a lone forward, an
+    engine before its warm-up)."""
+    if value not in ("auto", "measure"):
+        return value
     table = AUTO[field]
+    backend = _backend(backend)
     return table.get(backend, table["*"])
+
+
+def measured_candidates(field: str, backend: str | None = None) -> tuple[str, ...]:
+    """The values `measure` times for setting `field` on `backend` (MEASURED)."""
+    table = MEASURED[field]
+    return table.get(_backend(backend), table["*"])
 DType = Literal["float32", "bfloat16", "float16"]
 # What mixes tokens in a layer: softmax attention over the KV cache, or a gated delta rule over a
 # recurrent state (SequenceModule below).

@@ -89,7 +89,7 @@ def test_every_expert_path_is_a_config_choice():
 
     from mbd_jax.config import MoeImpl
 
-    assert set(typing.get_args(MoeImpl)) == set(moe.EXPERT_IMPLS) | {"auto"}
+    assert set(typing.get_args(MoeImpl)) == set(moe.EXPERT_IMPLS) | {"auto", "measure"}
 
 
 @pytest.mark.parametrize("n", [5, 96])  # 15 copies: a decode-sized call; 288: several tiles
@@ -197,6 +197,40 @@ def test_auto_expert_path_is_chosen_per_backend():
     assert resolve_impl("auto", "cpu") == "looped"  # reads only the hit experts' weights
     assert resolve_impl("auto", "gpu") == "ragged" and resolve_impl("auto", "tpu") == "ragged"
     assert resolve_impl("dense", "cpu") == "dense"
+
+
+def test_measure_runs_each_decode_program_on_its_faster_path():
+    """moe_impl `measure`: auto's path until the warm-up, which times every candidate on both
+    decode programs (all rows; one running row alone), runs each on its faster one, decodes
+    what the dense path decodes and compiles nothing after it."""
+    from mbd_jax import compile_stats
+    from mbd_jax.config import DecodeConfig, measured_candidates, resolve_auto
+    from mbd_jax.engine import Engine
+    from tests.conftest import tiny_cfg, tiny_params
+
+    assert resolve_auto("moe_impl", "measure", "cpu") == "looped"
+    assert measured_candidates("moe_impl", "cpu") == ("looped", "dense")
+    assert set(measured_candidates("moe_impl", "gpu")) <= set(moe.EXPERT_IMPLS)
+    engine = Engine(tiny_cfg(moe_impl="measure"), tiny_params(), batch_size=2, buffer_size=2,
+                    prefill_chunk=16)
+    assert engine.moe_paths == {"all rows": "looped", "one row": "looped"}
+    heard = []
+    engine.warmup(progress=heard.append)
+    assert set(engine.moe_timings) == {"all rows", "one row"}
+    for program, ms in engine.moe_timings.items():
+        assert set(ms) == {"looped", "dense"} and min(ms.values()) > 0
+        assert engine.moe_paths[program] == min(ms, key=ms.get)
+    assert any(line.startswith("expert paths: all rows ") for line in heard)
+    d = DecodeConfig(buffer_size=2, max_new_tokens=20, ignore_eos=True)
+    prompts = [[11, 12, 13], [7, 8, 9, 10]]
+    c0 = compile_stats.compiles()
+    both = [r.token_ids for r in engine.generate(prompts, d)]
+    alone = engine.generate(prompts[:1], d)[0].token_ids  # the one-row program
+    assert compile_stats.compiles() == c0
+    dense = Engine(tiny_cfg(moe_impl="dense"), tiny_params(), batch_size=2, buffer_size=2,
+                   prefill_chunk=16)
+    want = [r.token_ids for r in dense.generate(prompts, d)]
+    assert both == want and alone == want[0] and len(alone) == 20
 
 
 def test_auto_model_equals_the_dense_reference():

@@ -116,7 +116,6 @@ def run_kind(kind: str, batches: list[int], args, tmp: pathlib.Path) -> list[dic
     from mbd_jax.config import DecodeConfig
     from mbd_jax.convert import convert
     from mbd_jax.engine import Engine
-    from mbd_jax.model.moe import resolve_impl
 
     src = build_hf(kind, tmp / f"hf-{kind}", args.layers, args.hidden)
     convert(src, tmp / f"mbd-{kind}", dtype="float32", mask_token_id=MASK_ID, block_size=BLOCK,
@@ -151,7 +150,7 @@ def run_kind(kind: str, batches: list[int], args, tmp: pathlib.Path) -> list[dic
                "mbd_tok_s": tokens / statistics.median(t_ours),
                "torch_s": t_torch, "mbd_s": t_ours, "mbd_compile_s": compile_s,
                "rows_identical": min(same),
-               "expert_path": resolve_impl(ours.cfg.moe_impl) if ours.cfg.num_experts else "-",
+               "expert_path": engine.moe_paths["all rows"] if ours.cfg.num_experts else "-",
                "torch_threads": torch.get_num_threads()}
         row["speedup"] = row["mbd_tok_s"] / row["torch_tok_s"]
         rows.append(row)

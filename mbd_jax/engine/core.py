@@ -17,6 +17,7 @@ nothing recompiles. On several processes each runs the same calls (parallel/mult
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -27,10 +28,10 @@ import numpy as np
 
 from mbd_jax import compile_stats
 from mbd_jax.cache.prefix_store import PrefixStore
-from mbd_jax.config import DecodeConfig, ModelConfig
+from mbd_jax.config import DecodeConfig, ModelConfig, resolve_auto
 from mbd_jax.decoding import block_buffer
 from mbd_jax.decoding.block_buffer import DecodeState
-from mbd_jax.engine import admission, results
+from mbd_jax.engine import admission, expert_paths, results
 from mbd_jax.engine.admission import ROW_PREFILL_MIN, Admission, PrefillCall, prefill_buckets
 from mbd_jax.engine.pages import PagePool, page_keys
 from mbd_jax.engine.prefix import PrefixGlue, PrefixHit
@@ -102,7 +103,13 @@ class Engine:
         # not hold: its prompts prefill from their start.
         self.share_prefixes = (share_prefixes and page % cfg.block_size == 0
                                and cfg.sequence_module is None)
-        progs = programs(cfg, self.mesh, batch_size, self.capacity, n_pages, buffer_size, debug)
+        # The expert path each decode program runs (moe_impl `measure`: auto's until warmup()
+        # times the candidates, engine/expert_paths.py); programs are built per path.
+        self._program_key = (self.mesh, batch_size, self.capacity, n_pages, buffer_size, debug)
+        impl = resolve_auto("moe_impl", cfg.moe_impl)
+        self.moe_paths = {"all rows": impl, "one row": impl}
+        self.moe_timings: dict[str, dict[str, float]] = {}  # measure: ms per step, per program
+        progs = self._programs(impl)
         kv_sharding = progs.kv_sharding
         self._table_sharding = kv_sharding.table
         self._allocate_kv = progs.allocate_kv
@@ -110,6 +117,7 @@ class Engine:
         self.kv = self._allocate_kv()
         self._sync_table()
         self._prefill, self._decode, self._merge = progs.prefill, progs.decode, progs.merge
+        self._decode_one = progs.decode  # one running row alone (decode_call)
         self._take_row, self._put_row = progs.take_row, progs.put_row
         self._host: tuple[DecodeState, DecodeState] | None = None  # (device, host): host_view
         self._done: tuple[DecodeState, np.ndarray] | None = None  # (device, host): done_rows
@@ -124,6 +132,18 @@ class Engine:
                             np.dtype(self.kv.dtype).name, offload_blocks_per_call),
             self._put, batch_size, offload_blocks_per_call, self.prefill_chunk, self._bucket)
         self.offloader = None if self._prefix is None else self._prefix.offloader
+
+    def _programs(self, moe_impl: str):
+        """This engine's programs with the expert path `moe_impl` (shared per process)."""
+        return programs(dataclasses.replace(self.cfg, moe_impl=moe_impl), *self._program_key)
+
+    def use_expert_paths(self, all_rows: str, one_row: str) -> None:
+        """Runs the all-rows decode program (and prefill) with expert path `all_rows`, and the
+        one-row decode program with `one_row`."""
+        progs = self._programs(all_rows)
+        self._prefill, self._decode = progs.prefill, progs.decode
+        self._decode_one = self._programs(one_row).decode
+        self.moe_paths = {"all rows": all_rows, "one row": one_row}
 
     # ---------------------------------------------------------------- validation
     def check_prompt(self, ids: Sequence[int], where: str = "prompt") -> None:
@@ -327,8 +347,8 @@ class Engine:
         running = np.flatnonzero(~self.done_rows(state))
         if len(running) == 1 and self.batch_size > 1:
             row = self._row_ids[running[0]]  # [1] on the device
-            sub, self.kv, steps = self._decode(self.params, self._take_row(state, row), self.kv,
-                                               max_steps, row)
+            sub, self.kv, steps = self._decode_one(self.params, self._take_row(state, row),
+                                                   self.kv, max_steps, row)
             state = self._put_row(state, sub, row)
         else:
             state, self.kv, steps = self._decode(self.params, state, self.kv, max_steps)
@@ -564,6 +584,8 @@ class Engine:
         blk = self.cfg.block_size
         b = self.batch_size
         zeros_b = np.zeros(b, np.int32)
+        if self.cfg.moe_impl == "measure" and self.cfg.num_experts > 0:
+            expert_paths.choose(self, say)  # before the prefill buckets: they follow its choice
         buckets = prefill_buckets(blk, self.prefill_chunk) if buckets is None else list(buckets)
         for i, t in enumerate(buckets):
             say(f"compiling prefill of {t} tokens ({i + 1}/{len(buckets)})")
