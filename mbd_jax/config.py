@@ -86,6 +86,8 @@ def measured_candidates(field: str, backend: str | None = None) -> tuple[str, ..
     """The values `measure` times for setting `field` on `backend` (MEASURED)."""
     table = MEASURED[field]
     return table.get(_backend(backend), table["*"])
+
+
 DType = Literal["float32", "bfloat16", "float16"]
 # What mixes tokens in a layer: softmax attention over the KV cache, or a gated delta rule over a
 # recurrent state (SequenceModule below).

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mbd_jax.config import DecodeConfig, measured_candidates
+from mbd_jax.parallel import multihost
 
 if TYPE_CHECKING:
     from mbd_jax.engine.core import Engine
@@ -40,6 +41,26 @@ def choose(engine: Engine, say: Callable[[str], None]) -> None:
     decode = DecodeConfig(buffer_size=engine.buffer_size, policy="fixed_steps",
                           steps_per_block=cfg.block_size, max_new_tokens=new, ignore_eos=True)
     prompt = np.array([cfg.pad_token_id], np.int32)
+    offloader, engine.offloader = engine.offloader, None  # the timing rows' blocks are not kept
+    try:
+        timings = _time(engine, candidates, programs, decode, prompt, say)
+    finally:
+        engine.offloader = offloader
+    # several processes ran the same calls; process 0's clock decides for all, so every process
+    # runs the same programs
+    timings = multihost.share(timings)
+    best = {name: min(t, key=t.get) for name, t in timings.items()}
+    engine.use_expert_paths(best["all rows"], best.get("one row", best["all rows"]))
+    engine.moe_timings = timings
+    say("expert paths: " + "; ".join(
+        f"{name} {best[name]} (" + ", ".join(f"{k} {v:.2f}" for k, v in t.items()) + " ms/step)"
+        for name, t in timings.items()))
+
+
+def _time(engine: Engine, candidates: tuple[str, ...], programs: dict[str, int],
+          decode: DecodeConfig, prompt: np.ndarray,
+          say: Callable[[str], None]) -> dict[str, dict[str, float]]:
+    """{program: {path: median ms per decode step}}."""
     timings: dict[str, dict[str, float]] = {name: {} for name in programs}
     for impl in candidates:
         engine.use_expert_paths(impl, impl)
@@ -55,9 +76,4 @@ def choose(engine: Engine, say: Callable[[str], None]) -> None:
                 seconds.append(time.perf_counter() - t)
             engine.release(range(rows))
             timings[name][impl] = 1e3 * statistics.median(seconds) / STEPS
-    best = {name: min(t, key=t.get) for name, t in timings.items()}
-    engine.use_expert_paths(best["all rows"], best.get("one row", best["all rows"]))
-    engine.moe_timings = timings
-    say("expert paths: " + "; ".join(
-        f"{name} {best[name]} (" + ", ".join(f"{k} {v:.2f}" for k, v in t.items()) + " ms/step)"
-        for name, t in timings.items()))
+    return timings
