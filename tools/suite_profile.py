@@ -54,7 +54,6 @@ def pytest_runtest_protocol(item, nextitem):
         f.write(json.dumps(row) + "\n")
 
 
-
 def compile_seconds(row: dict) -> float:
     return sum(row.get(k, 0.0) for k in COMPILE)
 
@@ -92,6 +91,7 @@ def main() -> None:
                  for f in files}
     summary = summarize(by_worker)
     print(json.dumps(summary))
+
     def share(seconds: float) -> str:
         return f"{100 * seconds / summary['worker_seconds']:.0f}%"
 

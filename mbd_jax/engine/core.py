@@ -137,11 +137,13 @@ class Engine:
         """This engine's programs with the expert path `moe_impl` (shared per process)."""
         return programs(dataclasses.replace(self.cfg, moe_impl=moe_impl), *self._program_key)
 
-    def use_expert_paths(self, all_rows: str, one_row: str) -> None:
-        """Runs the all-rows decode program (and prefill) with expert path `all_rows`, and the
-        one-row decode program with `one_row`."""
+    def use_expert_paths(self, all_rows: str, one_row: str, prefill: bool = True) -> None:
+        """Runs the all-rows decode program (and prefill, unless told not to) with expert path
+        `all_rows`, and the one-row decode program with `one_row`."""
         progs = self._programs(all_rows)
-        self._prefill, self._decode = progs.prefill, progs.decode
+        self._decode = progs.decode
+        if prefill:
+            self._prefill = progs.prefill
         self._decode_one = self._programs(one_row).decode
         self.moe_paths = {"all rows": all_rows, "one row": one_row}
 

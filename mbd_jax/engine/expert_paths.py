@@ -5,8 +5,9 @@ Which path wins depends on the model, the number of tokens a step routes and the
 the loop over the hit experts (`looped`) wins at a few copies per expert, computing every expert
 for every token (`dense`) at many (docs/performance.md). An engine has two decode programs, all
 rows and one running row alone, whose token counts differ by the batch size, so each gets its
-own choice; prefill follows the all-rows one. Every candidate is compiled once here, and the
-losers' programs are never run again.
+own choice; prefill follows the all-rows one. Each candidate's decode programs are compiled
+once here (the timing rows prefill with the engine's path of the moment), and the losers' are
+never run again.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def _time(engine: Engine, candidates: tuple[str, ...], programs: dict[str, int],
     """{program: {path: median ms per decode step}}."""
     timings: dict[str, dict[str, float]] = {name: {} for name in programs}
     for impl in candidates:
-        engine.use_expert_paths(impl, impl)
+        engine.use_expert_paths(impl, impl, prefill=False)  # the timing rows' prefill: as is
         for name, rows in programs.items():
             say(f"timing the {impl} expert path ({name})")
             state = engine.admit(engine.empty_state(), dict.fromkeys(range(rows),
