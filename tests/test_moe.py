@@ -1,5 +1,5 @@
 """Routers against a plain NumPy per-token reference; the grouped-matmul path against dense."""
-
+import dataclasses
 import functools
 
 import jax
@@ -129,8 +129,21 @@ def test_tiled_experts_with_idle_and_crowded_experts():
     # The looped path's tile here is 16 rows (100 copies / 8 experts): expert 6 takes 4 tiles and
     # a tile's tail rows belong to the next expert, so they must not be overwritten.
     assert moe._loop_tile(2 * n, e) == 16
-    np.testing.assert_allclose(np.asarray(jax.jit(moe.experts_looped)(x, ids, ws, wg, wu, wd)),
-                               dense, atol=1e-5)
+    for w in ((wg, wu, wd), (tuple(wg), tuple(wu), tuple(wd))):  # stacked, then per expert
+        np.testing.assert_allclose(np.asarray(jax.jit(moe.experts_looped)(x, ids, ws, *w)),
+                                   dense, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [5, 96])
+@pytest.mark.parametrize("impl", list(moe.EXPERT_IMPLS))
+def test_per_expert_weights_equal_stacked(impl, n):
+    """Every expert path takes the per-expert layout (a tuple of E arrays, what an engine on one
+    CPU device keeps): the same output as the dense path over the stacked weights."""
+    x, wg, wu, wd, ids, ws = random_moe(7, n, 32, 24, 8, 3, 0.2)
+    want = np.asarray(moe.experts_dense(x, ids, ws, wg, wu, wd))
+    got = jax.jit(moe.EXPERT_IMPLS[impl])(x, ids, ws, tuple(wg), tuple(wu), tuple(wd))
+    assert np.abs(want).max() > 0.1
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("n", [1, 3, 40])
@@ -147,6 +160,12 @@ def test_looped_experts_differentiate_like_dense(n):
     for a, b in zip(got, want):
         assert float(jnp.abs(b).max()) > 1e-3
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    # Per-expert weights: each expert's gradient arrives as its own array.
+    split = jax.jit(jax.grad(loss(moe.experts_looped), argnums=range(5)))(
+        x, ws, tuple(wg), tuple(wu), tuple(wd))
+    for a, b in zip(split[2:], want[2:]):
+        assert isinstance(a, tuple) and len(a) == 8
+        np.testing.assert_allclose(np.stack(a), np.asarray(b), atol=1e-5)
 
 
 EP_IMPLS = {**moe.EXPERT_IMPLS,
@@ -231,6 +250,40 @@ def test_measure_runs_each_decode_program_on_its_faster_path():
                    prefill_chunk=16)
     want = [r.token_ids for r in dense.generate(prompts, d)]
     assert both == want and alone == want[0] and len(alone) == 20
+
+
+def test_engine_keeps_per_expert_weights_where_the_looped_path_runs_on_one_cpu_device():
+    """The per-expert layout (model/layout.py) is chosen for the looped path on one CPU device
+    only, and an engine in it decodes what an engine over the stacked weights decodes, with
+    nothing compiled after the warm-up."""
+    from mbd_jax import compile_stats
+    from mbd_jax.config import DecodeConfig
+    from mbd_jax.engine import Engine
+    from mbd_jax.model import layout
+    from mbd_jax.parallel import mesh as meshlib
+    from tests.conftest import tiny_cfg, tiny_params
+
+    one_cpu, auto = meshlib.single_device_mesh(), tiny_cfg(moe_impl="auto")
+    assert layout.splits_experts(auto, one_cpu)  # auto = looped on CPU
+    assert layout.splits_experts(tiny_cfg(moe_impl="measure"), one_cpu)
+    assert not layout.splits_experts(tiny_cfg(moe_impl="dense"), one_cpu)
+    assert not layout.splits_experts(tiny_cfg(moe_impl="auto", layer_loop="scan"), one_cpu)
+    assert not layout.splits_experts(
+        dataclasses.replace(auto, num_experts=layout.SPLIT_EXPERTS_MAX * 2), one_cpu)
+    d = DecodeConfig(buffer_size=2, max_new_tokens=24, ignore_eos=True)
+    prompts = [[11, 12, 13], [7, 8, 9, 10, 30, 40, 50, 60, 20]]
+    out = {}
+    for split in (True, False):
+        engine = Engine(auto, tiny_params(), batch_size=2, buffer_size=2, prefill_chunk=16,
+                        split_experts=None if split else False)
+        assert engine.experts_split is split
+        moe_params = engine.params["layer_1"]["moe"]
+        assert isinstance(moe_params["experts_gate"], tuple) is split
+        engine.warmup()
+        c0 = compile_stats.compiles()
+        out[split] = [r.token_ids for r in engine.generate(prompts, d)]
+        assert compile_stats.compiles() == c0
+    assert out[True] == out[False] and len(out[True][0]) == 24
 
 
 def test_auto_model_equals_the_dense_reference():

@@ -39,6 +39,7 @@ from mbd_jax.engine.programs import prefix_programs, programs
 from mbd_jax.engine.results import GenerationResult
 from mbd_jax.engine.transfer import RowFetcher, RowPacker
 from mbd_jax.errors import UserError
+from mbd_jax.model import layout
 from mbd_jax.model.transformer import cache_type
 from mbd_jax.parallel import mesh as meshlib
 from mbd_jax.parallel import multihost
@@ -51,7 +52,8 @@ class Engine:
                  tokenizer: Tokenizer | None = None, record_steps: int = 0, record_len: int = 0,
                  prefix_store: PrefixStore | None = None, offload_blocks_per_call: int = 64,
                  mesh: jax.sharding.Mesh | None = None, row_prefill_min: int = ROW_PREFILL_MIN,
-                 kv_pool_tokens: int | None = None, share_prefixes: bool = True):
+                 kv_pool_tokens: int | None = None, share_prefixes: bool = True,
+                 split_experts: bool | None = None):
         """batch_size rows decode together; buffer_size is the compiled N_buf (requests may use
         less); with `debug`, every decode step checks the Block Buffer invariants and a broken
         one raises (slower: the check scans each row's canvas). With a tokenizer, results carry
@@ -64,7 +66,9 @@ class Engine:
         positions the KV pool holds over all rows (rounded up to whole pages; default: every
         row can hold a full context at once); a request waits until its pages are free.
         `share_prefixes`: a prompt whose leading pages match a prefilled prompt's maps those
-        pages instead of prefilling them (pages.py; needs pages of whole blocks)."""
+        pages instead of prefilling them (pages.py; needs pages of whole blocks).
+        `split_experts`: keep each routed expert's weights as arrays of their own (default: where
+        the looped expert path runs on one CPU device, model/layout.py's splits_experts)."""
         if prefill_chunk < cfg.block_size or prefill_chunk % cfg.block_size:
             raise UserError(f"prefill_chunk ({prefill_chunk}) must be a positive multiple of "
                             f"block_size ({cfg.block_size})")
@@ -78,6 +82,12 @@ class Engine:
         self._put_rows = RowPacker(self._put)  # a batch-first host tree -> mesh, one transfer
         self._fetch_rows = RowFetcher(replicated)  # a batch-first device tree -> host, one transfer
         self.params = jax.device_put(params, meshlib.param_shardings(cfg, self.mesh))
+        # Per-expert weights for the looped path on one CPU device (model/layout.py): copies,
+        # so the caller's stacked ones are no longer needed by the engine.
+        self.experts_split = (layout.splits_experts(cfg, self.mesh) if split_experts is None
+                              else split_experts)
+        if self.experts_split:
+            self.params = layout.split_experts(self.params)
         self.batch_size = batch_size
         self.buffer_size = buffer_size
         self.prefill_chunk = min(prefill_chunk, cfg.max_seq_len)

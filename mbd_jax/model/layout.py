@@ -11,6 +11,12 @@ leaves stacked on a leading axis (logical axis name "layers").
 Which one runs is `ModelConfig.layer_loop`; `auto` is per backend (config.AUTO): XLA:CPU copies
 each scanned iteration's whole weight slice (all experts of a MoE layer) before use, so CPU runs
 unrolled; GPU and TPU scan (docs/performance.md has both sides of the CPU measurement).
+
+Per-expert weights: for the same reason XLA:CPU copies one expert's slice of a stacked
+[E, D, F] weight before each GEMM that reads it. An engine running the looped expert path on one
+CPU device therefore keeps each routed expert's weights as arrays of their own (split_experts: a
+tuple of E arrays in place of each stacked leaf), which the looped path reads in place
+(model/moe.py). Only engines do this; checkpoints, conversion and training keep the stacked form.
 """
 
 from __future__ import annotations
@@ -22,6 +28,11 @@ import jax
 import jax.numpy as jnp
 
 from mbd_jax.config import ModelConfig, resolve_auto
+from mbd_jax.model import moe
+
+# Every MoE layer runs a `lax.switch` with a branch per expert over per-expert weights, so the
+# program grows with the expert count; past this many experts the stacked form stays.
+SPLIT_EXPERTS_MAX = 64
 
 def resolve_loop(name: str, backend: str | None = None) -> str:
     """The layer loop `name` stands for on `backend` (config.AUTO)."""
@@ -93,3 +104,19 @@ def relayout(params: Any, src: ModelConfig, dst: ModelConfig) -> Any:
     if scanned(src) == scanned(dst):
         return params
     return jax.jit(lambda p: to_runtime(to_canonical(p, src), dst))(params)
+
+
+def splits_experts(cfg: ModelConfig, mesh) -> bool:
+    """Whether an engine of `cfg` on `mesh` keeps per-expert weights (the module docstring): the
+    looped expert path, unrolled layers, one CPU device, at most SPLIT_EXPERTS_MAX experts."""
+    return (0 < cfg.num_experts <= SPLIT_EXPERTS_MAX and not scanned(cfg) and mesh.size == 1
+            and mesh.devices.flat[0].platform == "cpu"
+            and moe.resolve_impl(cfg.moe_impl, "cpu") == "looped")
+
+
+def split_experts(params: Any) -> Any:
+    """Each stacked routed-expert leaf [E, ...] -> a tuple of E arrays (copies)."""
+    def split(path, x):
+        name = str(getattr(path[-1], "key", path[-1]))
+        return tuple(jnp.unstack(x)) if name in moe.EXPERT_WEIGHTS else x
+    return jax.tree_util.tree_map_with_path(split, params)

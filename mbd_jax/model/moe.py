@@ -5,16 +5,38 @@ Shapes: N tokens, D hidden, E experts, F expert width, k experts per token.
 The expert paths share one contract: `ids` [N, k] in [0, E], where id E means "this copy is not
 routed to any expert held here" and contributes nothing (expert parallelism, parallel/expert.py,
 passes E for copies that another shard computes). `out_dtype` defaults to x's.
+
+Expert weights (`Experts`) come stacked, [E, D, F], or as a tuple of E per-expert arrays: the
+layout an engine keeps on one CPU device (model/layout.py, split_experts). XLA:CPU's GEMMs take
+whole buffers, so a matmul reading one expert of a stacked array first copies that expert's
+slice; on a batch-1 decode step those copies were a third of the time. The looped path reads
+per-expert arrays in place; the other paths stack them (a copy).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
 from mbd_jax.config import resolve_auto
+
+
+Experts = jax.Array | tuple[jax.Array, ...]  # [E, ...] stacked, or one [...] array per expert
+
+# The routed experts' weights, as the MoE layer names them (model/transformer.py).
+EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")
+
+
+def stacked(w: Experts) -> jax.Array:
+    """[E, ...]: per-expert arrays stacked (a copy); a stacked array as it is."""
+    return jnp.stack(w) if isinstance(w, tuple) else w
+
+
+def cast(w: Experts, dtype) -> Experts:
+    return tuple(v.astype(dtype) for v in w) if isinstance(w, tuple) else w.astype(dtype)
 
 
 def route_softmax_topk(logits: jax.Array, k: int, norm_topk_prob: bool,
@@ -67,8 +89,8 @@ def balance_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
     return bias + rate * jnp.sign(mean - load).astype(bias.dtype)
 
 
-def experts_dense(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
-                  w_up: jax.Array, w_down: jax.Array, out_dtype=None) -> jax.Array:
+def experts_dense(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: Experts,
+                  w_up: Experts, w_down: Experts, out_dtype=None) -> jax.Array:
     """Every expert on every token, combined with the routing weights (the reference, and the
     fastest path when there are few tokens per expert, as in decoding).
 
@@ -78,6 +100,7 @@ def experts_dense(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.
     [N, E*F] x [E*F, D] matmul (w_down is already contiguous that way). The einsum forms of the
     same sums ran 4-10x slower on XLA:CPU at decode sizes.
     """
+    w_gate, w_up, w_down = stacked(w_gate), stacked(w_up), stacked(w_down)
     e, _, f = w_gate.shape
     n = x.shape[0]
     # [N, E]; one_hot of the id E is all zeros, so such copies drop out
@@ -92,14 +115,15 @@ def experts_dense(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.
     return out.astype(out_dtype or x.dtype)
 
 
-def experts_ragged(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
-                   w_up: jax.Array, w_down: jax.Array, out_dtype=None) -> jax.Array:
+def experts_ragged(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: Experts,
+                   w_up: Experts, w_down: Experts, out_dtype=None) -> jax.Array:
     """Grouped matmul: token copies sorted by expert, one `jax.lax.ragged_dot` per projection.
 
     Dropless and static-shape (N * k rows). Copies with id E sort last, outside every group
     (ragged_dot leaves rows past the groups zero; they are masked anyway). Same contract as
     `experts_dense`.
     """
+    w_gate, w_up, w_down = stacked(w_gate), stacked(w_up), stacked(w_down)
     n, k = ids.shape
     e = w_gate.shape[0]
     flat_ids = ids.reshape(-1)  # [N*k]
@@ -116,8 +140,8 @@ def experts_ragged(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax
         out_dtype or x.dtype)
 
 
-def experts_tiled(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
-                  w_up: jax.Array, w_down: jax.Array, out_dtype=None, tile: int = 16,
+def experts_tiled(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: Experts,
+                  w_up: Experts, w_down: Experts, out_dtype=None, tile: int = 16,
                   tiles_per_step: int | None = None) -> jax.Array:
     """Grouped matmul by tiles: token copies sorted by expert, each expert's group padded to a
     multiple of `tile` rows, then one batched matmul over the tiles with each tile's expert weights.
@@ -129,6 +153,7 @@ def experts_tiled(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.
     most copies belong to other shards; a `lax.cond` per step, differentiable). Same contract as
     `experts_dense`.
     """
+    w_gate, w_up, w_down = stacked(w_gate), stacked(w_up), stacked(w_down)
     n, k = ids.shape
     e, d, _ = w_gate.shape
     a = n * k
@@ -182,17 +207,19 @@ def experts_tiled(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.
         out_dtype or x.dtype)
 
 
-def experts_looped(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: jax.Array,
-                   w_up: jax.Array, w_down: jax.Array, out_dtype=None) -> jax.Array:
-    """A loop over the experts that got copies: token copies sorted by expert, each hit expert's
-    rows run `tile` at a time through three plain GEMMs with that expert's own weights.
+def experts_looped(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: Experts,
+                   w_up: Experts, w_down: Experts, out_dtype=None) -> jax.Array:
+    """A loop over tiles of token copies: copies sorted by expert, each expert's rows cut into
+    tiles of `m`, and each tile run through three plain GEMMs with its own expert's weights.
 
     Reads only the hit experts' weights and does only the routed FLOPs (plus tile padding), which
     is what decoding on a CPU needs: at a few tokens per call the step is bound by reading weights
-    (a 4-token block with top-4 of 16 experts touches ~10 of them). Both loop bounds are traced
-    (hit experts; tiles of each), so one program serves every routing. The loops are not
-    reverse-differentiable, so the gradient is the dense path's (the same function).
-    Same contract as `experts_dense`.
+    (a 4-token block with top-4 of 16 experts touches ~10 of them). The loop's trip count is
+    traced (the tiles of this routing), so one program serves every routing. With per-expert
+    weights (a tuple) a tile picks its expert's arrays through a `lax.switch`, one branch per
+    expert, and reads them in place; from stacked weights it slices the expert out (XLA:CPU copies
+    the slice). The loop is not reverse-differentiable, so the gradient is the dense path's (the
+    same function). Same contract as `experts_dense`.
     """
     return _looped(x, ids, weights, w_gate, w_up, w_down).astype(out_dtype or x.dtype)
 
@@ -202,40 +229,44 @@ def _loop_tile(copies: int, experts: int) -> int:
     return min(32, max(4, 1 << math.ceil(math.log2(max(1.0, copies / experts)))))
 
 
+def _ffn(wg, wu, wd, xt):  # xt: [M, D] -> [M, D] float32
+    return jnp.matmul(jax.nn.silu(xt @ wg) * (xt @ wu), wd, preferred_element_type=jnp.float32)
+
+
 @jax.custom_vjp
 def _looped(x, ids, weights, w_gate, w_up, w_down):  # -> [N, D] float32
     n, k = ids.shape
-    e, d, _ = w_gate.shape
+    e, d = len(w_gate) if isinstance(w_gate, tuple) else w_gate.shape[0], x.shape[-1]
     a = n * k
     m = _loop_tile(a, e)
     flat = ids.reshape(-1)  # [A]
     order = jnp.argsort(flat, stable=True)  # sorted copy i is copy order[i]; id E sorts last
     counts = jnp.bincount(flat, length=e)  # drops the id E
-    starts = jnp.cumsum(counts) - counts
-    hit = jnp.nonzero(counts > 0, size=e, fill_value=0)[0]  # hit experts first
+    starts = jnp.cumsum(counts) - counts  # [E]: each expert's first sorted copy
+    tiles = (counts + m - 1) // m  # [E]
+    tiles_end = jnp.cumsum(tiles)  # [E]: expert i owns tiles [tiles_end[i] - tiles[i], tiles_end[i])
     xs = jnp.concatenate([x[order // k], jnp.zeros((m, d), x.dtype)])  # [A + M, D]: no clamping
+    if isinstance(w_gate, tuple):
+        branches = [functools.partial(_ffn, *w) for w in zip(w_gate, w_up, w_down)]
+        ffn = lambda i, xt: jax.lax.switch(i, branches, xt)  # noqa: E731
+    else:
+        ffn = lambda i, xt: _ffn(w_gate[i], w_up[i], w_down[i], xt)  # noqa: E731
 
-    def expert(j, acc):  # acc: [A + M, D] float32, row i = sorted copy i's expert output
-        i = hit[j]
-        wg, wu, wd = w_gate[i], w_up[i], w_down[i]
-
-        def tile(t, acc):
-            start = starts[i] + t * m
-            xt = jax.lax.dynamic_slice_in_dim(xs, start, m)  # [M, D]
-            out = jnp.matmul(jax.nn.silu(xt @ wg) * (xt @ wu), wd,
-                             preferred_element_type=jnp.float32)
-            mine = t * m + jnp.arange(m) < counts[i]  # the tile's tail is the next expert's
-            old = jax.lax.dynamic_slice_in_dim(acc, start, m)
-            return jax.lax.dynamic_update_slice_in_dim(acc, jnp.where(mine[:, None], out, old),
-                                                       start, 0)
-
-        return jax.lax.fori_loop(0, (counts[i] + m - 1) // m, tile, acc)
+    def tile(t, acc):  # acc: [A + M, D] float32, row r = sorted copy r's expert output
+        i = jnp.searchsorted(tiles_end, t, side="right")  # the tile's expert
+        start = starts[i] + (t - tiles_end[i] + tiles[i]) * m
+        out = ffn(i, jax.lax.dynamic_slice_in_dim(xs, start, m))  # [M, D]
+        mine = start + jnp.arange(m) < starts[i] + counts[i]  # the tail is the next expert's
+        old = jax.lax.dynamic_slice_in_dim(acc, start, m)
+        return jax.lax.dynamic_update_slice_in_dim(acc, jnp.where(mine[:, None], out, old),
+                                                   start, 0)
 
     # Zeros typed like the tiles' results: inside shard_map those vary over the mesh axes of
     # the operands, and a loop carry must keep its type.
-    operands = sum(v[(0,) * v.ndim].astype(jnp.float32) for v in (xs, w_gate, w_up, w_down))
+    operands = sum(v[(0,) * v.ndim].astype(jnp.float32)
+                   for v in jax.tree.leaves((xs, w_gate, w_up, w_down)))
     init = jnp.where(True, jnp.zeros((a + m, d), jnp.float32), operands)
-    acc = jax.lax.fori_loop(0, jnp.sum(counts > 0), expert, init)
+    acc = jax.lax.fori_loop(0, tiles_end[-1], tile, init)
     w = jnp.where(flat[order] < e, weights.reshape(-1)[order], 0.0)
     return jnp.zeros((n, d), jnp.float32).at[order // k].add(acc[:a] * w[:, None])
 

@@ -33,6 +33,17 @@ def param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str,
     return module.param(name, boxed, shape, jnp.dtype(cfg.param_dtype))
 
 
+def expert_weight(module: nn.Module, name: str, shape: tuple[int, ...],
+                  axes: tuple[str, ...]) -> Any:
+    """A routed-expert weight: the stacked [E, ...] parameter, or the tuple of per-expert arrays
+    an engine on one CPU device keeps in its place (model/layout.py, split_experts)."""
+    if module.has_variable("params", name):
+        stored = module.get_variable("params", name)
+        if isinstance(stored, tuple):
+            return stored
+    return param(module, name, shape, axes, NORMAL)
+
+
 def norm_weight(module: nn.Module, name: str, dim: int, axes: tuple[str, ...]) -> jax.Array:
     """The weight an RMSNorm multiplies by: the parameter itself, or 1 + it when the model stores
     norm weights as an offset from one (cfg.norm_weight_offset; stored zeros are then ones)."""

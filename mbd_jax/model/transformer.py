@@ -34,7 +34,7 @@ from mbd_jax.model import layers, layout, moe, rope
 from mbd_jax.model.forward_meta import ForwardMeta
 from mbd_jax.model.gated_deltanet import GatedDeltaNet
 from mbd_jax.model.kv_cache import KVCache
-from mbd_jax.model.params import NORMAL, draw_normals, norm_weight, param
+from mbd_jax.model.params import NORMAL, draw_normals, expert_weight, norm_weight, param
 from mbd_jax.parallel.expert import sharded_experts
 
 
@@ -117,13 +117,14 @@ class MoE(nn.Module):
             # caller makes "intermediates" mutable: training; decoding never does)
             self.sow("intermediates", "expert_load", moe.expert_load(ids, e),
                      init_fn=lambda: jnp.zeros((e,), jnp.float32), reduce_fn=jnp.add)
-        wg = param(self, "experts_gate", (e, d, f), ("expert", "embed", "mlp"), NORMAL)
-        wu = param(self, "experts_up", (e, d, f), ("expert", "embed", "mlp"), NORMAL)
-        wd = param(self, "experts_down", (e, f, d), ("expert", "mlp", "embed"), NORMAL)
+        gate, up, down = moe.EXPERT_WEIGHTS
+        wg = expert_weight(self, gate, (e, d, f), ("expert", "embed", "mlp"))
+        wu = expert_weight(self, up, (e, d, f), ("expert", "embed", "mlp"))
+        wd = expert_weight(self, down, (e, f, d), ("expert", "mlp", "embed"))
         experts = moe.EXPERT_IMPLS[moe.resolve_impl(cfg.moe_impl)]
         if self.mesh is not None and self.mesh.size > 1:
             experts = sharded_experts(experts, self.mesh)
-        out = experts(tokens, ids, weights, wg.astype(dt), wu.astype(dt), wd.astype(dt))
+        out = experts(tokens, ids, weights, moe.cast(wg, dt), moe.cast(wu, dt), moe.cast(wd, dt))
         if cfg.num_shared_experts > 0:
             shared = DenseMLP(cfg, cfg.num_shared_experts * f, name="shared")(tokens)
             if cfg.shared_expert_gate:  # [N, D] scaled by sigmoid(x . w) per token
