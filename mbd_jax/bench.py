@@ -110,6 +110,7 @@ def bench_decode(cfg: ModelConfig, params: Any, *, batch: int, prompt_len: int, 
         rows.append({
             "moe_impl": impl,
             "moe_paths": engine.moe_paths,  # the path each decode program ran (measure: timed)
+            "experts_split": engine.experts_split,  # per-expert weights (model/layout.py)
             "layer_loop": layout.resolve_loop(loop),
             "buffer_size": n_buf,
             "tokens_per_s": statistics.median(tok_s),

@@ -132,6 +132,7 @@ def test_bench_random_weights_runs_a_shape_only_preset(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads(r.stdout.strip().splitlines()[-1])
     assert report["rows"][0]["tokens_per_s"] > 0 and report["rows"][0]["compiles_after_warmup"] == 0
+    assert report["rows"][0]["experts_split"] is False  # tiny-random's dense path: stacked
 
 
 def test_runtime_settings_override_a_checksummed_model():

@@ -151,6 +151,7 @@ def run_kind(kind: str, batches: list[int], args, tmp: pathlib.Path) -> list[dic
                "torch_s": t_torch, "mbd_s": t_ours, "mbd_compile_s": compile_s,
                "rows_identical": min(same),
                "expert_path": engine.moe_paths["all rows"] if ours.cfg.num_experts else "-",
+               "experts_split": engine.experts_split,
                "torch_threads": torch.get_num_threads()}
         row["speedup"] = row["mbd_tok_s"] / row["torch_tok_s"]
         rows.append(row)
