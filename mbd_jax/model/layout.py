@@ -34,6 +34,7 @@ from mbd_jax.model import moe
 # program grows with the expert count; past this many experts the stacked form stays.
 SPLIT_EXPERTS_MAX = 64
 
+
 def resolve_loop(name: str, backend: str | None = None) -> str:
     """The layer loop `name` stands for on `backend` (config.AUTO)."""
     return resolve_auto("layer_loop", name, backend)
