@@ -1,4 +1,5 @@
 """Routers against a plain NumPy per-token reference; the grouped-matmul path against dense."""
+
 import dataclasses
 import functools
 
