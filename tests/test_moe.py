@@ -240,6 +240,10 @@ def test_measure_runs_each_decode_program_on_its_faster_path():
     for program, ms in engine.moe_timings.items():
         assert set(ms) == {"looped", "dense"} and min(ms.values()) > 0
         assert engine.moe_paths[program] == min(ms, key=ms.get)
+    # the expert weights' layout follows the all-rows path (per-expert arrays for looped)
+    split = engine.moe_paths["all rows"] == "looped"
+    assert engine.experts_split is split
+    assert isinstance(engine.params["layer_1"]["moe"]["experts_gate"], tuple) is split
     assert any(line.startswith("expert paths: all rows ") for line in heard)
     d = DecodeConfig(buffer_size=2, max_new_tokens=20, ignore_eos=True)
     prompts = [[11, 12, 13], [7, 8, 9, 10]]
@@ -268,6 +272,7 @@ def test_engine_keeps_per_expert_weights_where_the_looped_path_runs_on_one_cpu_d
     assert layout.splits_experts(auto, one_cpu)  # auto = looped on CPU
     assert layout.splits_experts(tiny_cfg(moe_impl="measure"), one_cpu)
     assert not layout.splits_experts(tiny_cfg(moe_impl="dense"), one_cpu)
+    assert not layout.splits_experts(auto, one_cpu, moe_impl="dense")  # a path measure times
     assert not layout.splits_experts(tiny_cfg(moe_impl="auto", layer_loop="scan"), one_cpu)
     assert not layout.splits_experts(
         dataclasses.replace(auto, num_experts=layout.SPLIT_EXPERTS_MAX * 2), one_cpu)

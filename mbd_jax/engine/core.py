@@ -67,8 +67,9 @@ class Engine:
         row can hold a full context at once); a request waits until its pages are free.
         `share_prefixes`: a prompt whose leading pages match a prefilled prompt's maps those
         pages instead of prefilling them (pages.py; needs pages of whole blocks).
-        `split_experts`: keep each routed expert's weights as arrays of their own (default: where
-        the looped expert path runs on one CPU device, model/layout.py's splits_experts)."""
+        `split_experts`: keep each routed expert's weights as arrays of their own (default: while
+        the all-rows program runs the looped path on one CPU device, model/layout.py's
+        splits_experts; the engine's copies, so the caller's stacked ones are not needed)."""
         if prefill_chunk < cfg.block_size or prefill_chunk % cfg.block_size:
             raise UserError(f"prefill_chunk ({prefill_chunk}) must be a positive multiple of "
                             f"block_size ({cfg.block_size})")
@@ -82,12 +83,8 @@ class Engine:
         self._put_rows = RowPacker(self._put)  # a batch-first host tree -> mesh, one transfer
         self._fetch_rows = RowFetcher(replicated)  # a batch-first device tree -> host, one transfer
         self.params = jax.device_put(params, meshlib.param_shardings(cfg, self.mesh))
-        # Per-expert weights for the looped path on one CPU device (model/layout.py): copies,
-        # so the caller's stacked ones are no longer needed by the engine.
-        self.experts_split = (layout.splits_experts(cfg, self.mesh) if split_experts is None
-                              else split_experts)
-        if self.experts_split:
-            self.params = layout.split_experts(self.params)
+        self._split_experts = split_experts
+        self.experts_split = False  # the params' expert layout (_use_layout)
         self.batch_size = batch_size
         self.buffer_size = buffer_size
         self.prefill_chunk = min(prefill_chunk, cfg.max_seq_len)
@@ -119,6 +116,7 @@ class Engine:
         impl = resolve_auto("moe_impl", cfg.moe_impl)
         self.moe_paths = {"all rows": impl, "one row": impl}
         self.moe_timings: dict[str, dict[str, float]] = {}  # measure: ms per step, per program
+        self._use_layout(impl)
         progs = self._programs(impl)
         kv_sharding = progs.kv_sharding
         self._table_sharding = kv_sharding.table
@@ -147,13 +145,21 @@ class Engine:
         """This engine's programs with the expert path `moe_impl` (shared per process)."""
         return programs(dataclasses.replace(self.cfg, moe_impl=moe_impl), *self._program_key)
 
-    def use_expert_paths(self, all_rows: str, one_row: str, prefill: bool = True) -> None:
-        """Runs the all-rows decode program (and prefill, unless told not to) with expert path
-        `all_rows`, and the one-row decode program with `one_row`."""
+    def _use_layout(self, moe_impl: str) -> None:
+        """Puts the expert weights in the layout path `moe_impl` reads fastest: per-expert arrays
+        for the looped path on one CPU device, stacked otherwise (model/layout.py)."""
+        split = (layout.splits_experts(self.cfg, self.mesh, moe_impl)
+                 if self._split_experts is None else self._split_experts)
+        if split != self.experts_split:
+            self.params = (layout.split_experts if split else layout.stack_experts)(self.params)
+            self.experts_split = split
+
+    def use_expert_paths(self, all_rows: str, one_row: str) -> None:
+        """Runs prefill and the all-rows decode program with expert path `all_rows` (the expert
+        weights in its layout), and the one-row decode program with `one_row`."""
+        self._use_layout(all_rows)
         progs = self._programs(all_rows)
-        self._decode = progs.decode
-        if prefill:
-            self._prefill = progs.prefill
+        self._prefill, self._decode = progs.prefill, progs.decode
         self._decode_one = self._programs(one_row).decode
         self.moe_paths = {"all rows": all_rows, "one row": one_row}
 

@@ -5,8 +5,9 @@ Which path wins depends on the model, the number of tokens a step routes and the
 the loop over the hit experts (`looped`) wins at a few copies per expert, computing every expert
 for every token (`dense`) at many (docs/performance.md). An engine has two decode programs, all
 rows and one running row alone, whose token counts differ by the batch size, so each gets its
-own choice; prefill follows the all-rows one. Each candidate's decode programs are compiled
-once here (the timing rows prefill with the engine's path of the moment), and the losers' are
+own choice; prefill and the expert weights' layout (model/layout.py) follow the all-rows one,
+so each candidate is timed over the layout it would run with. Each candidate's decode programs
+(and its smallest prefill, for the timing rows) are compiled once here, and the losers' are
 never run again.
 """
 
@@ -64,7 +65,7 @@ def _time(engine: Engine, candidates: tuple[str, ...], programs: dict[str, int],
     """{program: {path: median ms per decode step}}."""
     timings: dict[str, dict[str, float]] = {name: {} for name in programs}
     for impl in candidates:
-        engine.use_expert_paths(impl, impl, prefill=False)  # the timing rows' prefill: as is
+        engine.use_expert_paths(impl, impl)
         for name, rows in programs.items():
             say(f"timing the {impl} expert path ({name})")
             state = engine.admit(engine.empty_state(), dict.fromkeys(range(rows),

@@ -107,12 +107,13 @@ def relayout(params: Any, src: ModelConfig, dst: ModelConfig) -> Any:
     return jax.jit(lambda p: to_runtime(to_canonical(p, src), dst))(params)
 
 
-def splits_experts(cfg: ModelConfig, mesh) -> bool:
-    """Whether an engine of `cfg` on `mesh` keeps per-expert weights (the module docstring): the
-    looped expert path, unrolled layers, one CPU device, at most SPLIT_EXPERTS_MAX experts."""
+def splits_experts(cfg: ModelConfig, mesh, moe_impl: str | None = None) -> bool:
+    """Whether an engine of `cfg` on `mesh` running expert path `moe_impl` (default: cfg's) keeps
+    per-expert weights (the module docstring): the looped path, unrolled layers, one CPU device,
+    at most SPLIT_EXPERTS_MAX experts."""
     return (0 < cfg.num_experts <= SPLIT_EXPERTS_MAX and not scanned(cfg) and mesh.size == 1
             and mesh.devices.flat[0].platform == "cpu"
-            and moe.resolve_impl(cfg.moe_impl, "cpu") == "looped")
+            and moe.resolve_impl(moe_impl or cfg.moe_impl, "cpu") == "looped")
 
 
 def split_experts(params: Any) -> Any:
@@ -121,3 +122,8 @@ def split_experts(params: Any) -> Any:
         name = str(getattr(path[-1], "key", path[-1]))
         return tuple(jnp.unstack(x)) if name in moe.EXPERT_WEIGHTS else x
     return jax.tree_util.tree_map_with_path(split, params)
+
+
+def stack_experts(params: Any) -> Any:
+    """The inverse of split_experts: each per-expert tuple -> one stacked array (a copy)."""
+    return jax.tree.map(moe.stacked, params, is_leaf=lambda x: isinstance(x, tuple))

@@ -35,6 +35,10 @@ def stacked(w: Experts) -> jax.Array:
     return jnp.stack(w) if isinstance(w, tuple) else w
 
 
+def num_experts(w: Experts) -> int:
+    return len(w) if isinstance(w, tuple) else w.shape[0]
+
+
 def cast(w: Experts, dtype) -> Experts:
     return tuple(v.astype(dtype) for v in w) if isinstance(w, tuple) else w.astype(dtype)
 
@@ -236,7 +240,7 @@ def _ffn(wg, wu, wd, xt):  # xt: [M, D] -> [M, D] float32
 @jax.custom_vjp
 def _looped(x, ids, weights, w_gate, w_up, w_down):  # -> [N, D] float32
     n, k = ids.shape
-    e, d = len(w_gate) if isinstance(w_gate, tuple) else w_gate.shape[0], x.shape[-1]
+    e, d = num_experts(w_gate), x.shape[-1]
     a = n * k
     m = _loop_tile(a, e)
     flat = ids.reshape(-1)  # [A]
