@@ -108,6 +108,10 @@ def _type_ok(value: Any, tp: Any) -> bool:
     if origin in (tuple, list):
         args = typing.get_args(tp)
         return isinstance(value, (list, tuple)) and all(_type_ok(v, args[0]) for v in value)
+    if origin is dict:
+        kt, vt = typing.get_args(tp)
+        return isinstance(value, dict) and all(_type_ok(k, kt) and _type_ok(v, vt)
+                                               for k, v in value.items())
     if origin in (typing.Union, types.UnionType):
         return any(_type_ok(value, a) for a in typing.get_args(tp))
     if dataclasses.is_dataclass(tp):

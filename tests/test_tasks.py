@@ -110,6 +110,25 @@ def test_thinking_examples_work_their_trace_and_follow_the_share():
         from_dict(TrainConfig, {"name": "t", "model": "m", "thinking_share": 1.5}, where="t.yaml")
 
 
+def test_format_weights_choose_the_formats_a_config_trains_on():
+    """A config's format_weights replace FORMAT_WEIGHTS (a format left out never comes); the
+    trainer's stream follows the config; bad weights are refused naming the field."""
+    from mbd_jax.config import from_dict
+    from mbd_jax.train import trainer
+    tcfg = from_dict(TrainConfig, {"name": "t", "model": "m", "tasks": list(tasks.TASKS),
+                                   "thinking_share": 0.2,
+                                   "format_weights": {"chat": 1, "raw": 3.0}}, where="t.yaml")
+    seen = collections.Counter(ex.format for ex, _ in
+                               zip(trainer.example_stream(tcfg, seed=5), range(1500)))
+    assert set(seen) == {"chat", "raw", "thinking"}, seen
+    assert abs(seen["raw"] / 1500 - 0.8 * 0.75) < 0.04, seen
+    assert abs(seen["thinking"] / 1500 - 0.2) < 0.04, seen
+    for bad in ({"chat": 1, "thinking": 1}, {"chat": 0}, {"raw": -1, "chat": 2}, {"chat": "x"}):
+        with pytest.raises(UserError, match="field 'format_weights' must"):
+            from_dict(TrainConfig, {"name": "t", "model": "m", "format_weights": bad},
+                      where="t.yaml")
+
+
 def test_answers_match_an_independent_solver_in_every_format():
     stream = tasks.examples(list(tasks.TASKS), seed=3)
     seen = collections.Counter()

@@ -220,9 +220,10 @@ def experts_looped(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: Exp
     is what decoding on a CPU needs: at a few tokens per call the step is bound by reading weights
     (a 4-token block with top-4 of 16 experts touches ~10 of them). The loop's trip count is
     traced (the tiles of this routing), so one program serves every routing. With per-expert
-    weights (a tuple) a tile picks its expert's arrays through a `lax.switch`, one branch per
-    expert, and reads them in place; from stacked weights it slices the expert out (XLA:CPU copies
-    the slice). The loop is not reverse-differentiable, so the gradient is the dense path's (the
+    weights (a tuple) one flat loop over the tiles picks each tile's expert arrays through a
+    `lax.switch`, one branch per expert, and reads them in place; from stacked weights a loop over
+    the hit experts slices each out once (XLA:CPU copies the slice) and loops over its tiles. The
+    loop is not reverse-differentiable, so the gradient is the dense path's (the
     same function). Same contract as `experts_dense`.
     """
     return _looped(x, ids, weights, w_gate, w_up, w_down).astype(out_dtype or x.dtype)
@@ -250,16 +251,10 @@ def _looped(x, ids, weights, w_gate, w_up, w_down):  # -> [N, D] float32
     tiles = (counts + m - 1) // m  # [E]
     tiles_end = jnp.cumsum(tiles)  # [E]: expert i owns tiles [tiles_end[i] - tiles[i], tiles_end[i])
     xs = jnp.concatenate([x[order // k], jnp.zeros((m, d), x.dtype)])  # [A + M, D]: no clamping
-    if isinstance(w_gate, tuple):
-        branches = [functools.partial(_ffn, *w) for w in zip(w_gate, w_up, w_down)]
-        ffn = lambda i, xt: jax.lax.switch(i, branches, xt)  # noqa: E731
-    else:
-        ffn = lambda i, xt: _ffn(w_gate[i], w_up[i], w_down[i], xt)  # noqa: E731
 
-    def tile(t, acc):  # acc: [A + M, D] float32, row r = sorted copy r's expert output
-        i = jnp.searchsorted(tiles_end, t, side="right")  # the tile's expert
-        start = starts[i] + (t - tiles_end[i] + tiles[i]) * m
-        out = ffn(i, jax.lax.dynamic_slice_in_dim(xs, start, m))  # [M, D]
+    def run_tile(acc, i, r, ffn):  # acc: [A + M, D] float32, row = sorted copy's expert output
+        start = starts[i] + r * m  # expert i's tile r
+        out = ffn(jax.lax.dynamic_slice_in_dim(xs, start, m))  # [M, D]
         mine = start + jnp.arange(m) < starts[i] + counts[i]  # the tail is the next expert's
         old = jax.lax.dynamic_slice_in_dim(acc, start, m)
         return jax.lax.dynamic_update_slice_in_dim(acc, jnp.where(mine[:, None], out, old),
@@ -270,7 +265,27 @@ def _looped(x, ids, weights, w_gate, w_up, w_down):  # -> [N, D] float32
     operands = sum(v[(0,) * v.ndim].astype(jnp.float32)
                    for v in jax.tree.leaves((xs, w_gate, w_up, w_down)))
     init = jnp.where(True, jnp.zeros((a + m, d), jnp.float32), operands)
-    acc = jax.lax.fori_loop(0, tiles_end[-1], tile, init)
+    if isinstance(w_gate, tuple):
+        # One flat loop over every tile; a tile's switch branch reads its expert's arrays in place.
+        branches = [functools.partial(_ffn, *w) for w in zip(w_gate, w_up, w_down)]
+
+        def tile(t, acc):
+            i = jnp.searchsorted(tiles_end, t, side="right")  # the tile's expert
+            return run_tile(acc, i, t - tiles_end[i] + tiles[i],
+                            lambda xt: jax.lax.switch(i, branches, xt))
+
+        acc = jax.lax.fori_loop(0, tiles_end[-1], tile, init)
+    else:
+        # A loop over the hit experts, each sliced out once (a copy on XLA:CPU), then a loop
+        # over its tiles: slicing per tile would copy an expert once per tile.
+        hit = jnp.nonzero(counts, size=e, fill_value=0)[0]  # [E]: the hit experts first
+
+        def expert(j, acc):
+            i = hit[j]
+            ffn = functools.partial(_ffn, w_gate[i], w_up[i], w_down[i])
+            return jax.lax.fori_loop(0, tiles[i], lambda r, acc: run_tile(acc, i, r, ffn), acc)
+
+        acc = jax.lax.fori_loop(0, jnp.count_nonzero(counts), expert, init)
     w = jnp.where(flat[order] < e, weights.reshape(-1)[order], 0.0)
     return jnp.zeros((n, d), jnp.float32).at[order // k].add(acc[:a] * w[:, None])
 

@@ -7,7 +7,7 @@ import pathlib
 from typing import Literal
 
 from mbd_jax.config import REPO_ROOT, _check, from_dict, load_yaml
-from mbd_jax.train.tasks import TASKS
+from mbd_jax.train.tasks import FORMAT_WEIGHTS, TASKS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,8 +20,11 @@ class TrainConfig:
     # force (`mbd-jax train --force`).
     tasks: tuple[str, ...] = ("arith", "sort", "reverse", "recall")  # in turn: k times = k shares
     # The share of examples asked with the thinking switch on (a worked trace, then the answer:
-    # train/tasks.py); the rest are drawn by tasks.FORMAT_WEIGHTS.
+    # train/tasks.py); the rest are drawn by format_weights.
     thinking_share: float = 0.0
+    # The question formats' relative weights (chat, system, multiturn, raw; a format left out is
+    # never drawn). None: tasks.FORMAT_WEIGHTS.
+    format_weights: dict[str, float] | None = None
     # Token-to-token training for the edit sampling mode: each unmasked answer position of a noisy
     # block becomes a random token with this probability, and the loss also covers every unmasked
     # answer position (keep a right token, restore a wrong one). 0: masked positions only.
@@ -65,6 +68,11 @@ class TrainConfig:
                f"field 'tasks' has unknown task(s) {bad}; allowed: {', '.join(TASKS)}")
         _check(0 <= self.thinking_share <= 1, where,
                f"field 'thinking_share' must be in [0, 1], got {self.thinking_share}")
+        fw = self.format_weights
+        _check(fw is None or (set(fw) <= set(FORMAT_WEIGHTS) and all(w >= 0 for w in fw.values())
+                              and sum(fw.values()) > 0), where,
+               f"field 'format_weights' must map some of {', '.join(FORMAT_WEIGHTS)} to weights "
+               f">= 0, not all 0; got {fw}")
         _check(0 <= self.edit_share < 1, where,
                f"field 'edit_share' must be in [0, 1), got {self.edit_share}")
         _check(self.g_max >= 1, where, f"field 'g_max' must be >= 1, got {self.g_max}")

@@ -178,10 +178,12 @@ def render_example(question: str, fmt: str, rng: np.random.Generator,
 
 
 def examples(tasks: list[str] | tuple[str, ...], seed, split: str = "train",
-             fmt: str | None = None, thinking_share: float = 0.0) -> Iterator[Example]:
+             fmt: str | None = None, thinking_share: float = 0.0,
+             format_weights: dict[str, float] | None = None) -> Iterator[Example]:
     """An endless, deterministic stream of examples, tasks in turn, from `split`, in format
-    `fmt` (None: `thinking` with probability thinking_share, else drawn by FORMAT_WEIGHTS; a
-    share of 0 draws nothing for it, so the stream is the one made before the format existed)."""
+    `fmt` (None: `thinking` with probability thinking_share, else drawn by format_weights,
+    default FORMAT_WEIGHTS; a share of 0 draws nothing for it, so the stream is the one made
+    before the format existed)."""
     check_tasks(tasks)
     if split not in ("train", "heldout"):
         raise UserError(f"split: must be 'train' or 'heldout', got {split!r}")
@@ -189,7 +191,8 @@ def examples(tasks: list[str] | tuple[str, ...], seed, split: str = "train",
         raise UserError(f"format: must be one of {', '.join(FORMATS)}, got {fmt!r}")
     rng = np.random.default_rng(seed)
     want_heldout = split == "heldout"
-    names, weights = list(FORMAT_WEIGHTS), np.array(list(FORMAT_WEIGHTS.values()))
+    format_weights = FORMAT_WEIGHTS if format_weights is None else format_weights
+    names, weights = list(format_weights), np.array(list(format_weights.values()), float)
     i = 0
     while True:
         task = tasks[i % len(tasks)]

@@ -21,7 +21,7 @@ import pathlib
 import shutil
 import sys
 import time
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 import jax
 import jax.numpy as jnp
@@ -48,12 +48,17 @@ def encode(tokenizer: Tokenizer, ex: tasks.Example, eos: int) -> tuple[list[int]
     return prompt + tokenizer.encode(ex.reply) + [eos], len(prompt)
 
 
+def example_stream(tcfg: TrainConfig, seed) -> Iterator[tasks.Example]:
+    """The config's training examples (its tasks, thinking share and formats) from `seed`."""
+    return tasks.examples(tcfg.tasks, seed=seed, thinking_share=tcfg.thinking_share,
+                          format_weights=tcfg.format_weights)
+
+
 def length_shares(tcfg: TrainConfig, cfg: ModelConfig, tokenizer: Tokenizer, n: int = 2000
                   ) -> np.ndarray:
     """[len(tcfg.lengths())] the share of examples whose shortest fitting row length is each of
     tcfg.lengths(), from a fixed sample of n (examples longer than seq_len are left out)."""
-    stream = tasks.examples(tcfg.tasks, seed=(tcfg.seed, 2**31 - 1),
-                            thinking_share=tcfg.thinking_share)
+    stream = example_stream(tcfg, seed=(tcfg.seed, 2**31 - 1))
     lengths = np.array(tcfg.lengths())
     need = np.array([len(encode(tokenizer, ex, cfg.eos_token_ids[0])[0])
                      for ex, _ in zip(stream, range(n))])
@@ -77,7 +82,7 @@ def batch_for_step(tcfg: TrainConfig, cfg: ModelConfig, tokenizer: Tokenizer, st
         pick = int(np.random.default_rng((tcfg.seed, step, 2)).choice(len(lengths), p=shares))
     lo = lengths[pick - 1] if pick > 0 and shares is not None else 0
     hi = lengths[pick]
-    stream = tasks.examples(tcfg.tasks, seed=(tcfg.seed, step), thinking_share=tcfg.thinking_share)
+    stream = example_stream(tcfg, seed=(tcfg.seed, step))
     rows: list[tuple[np.ndarray, int]] = []
     for draws, ex in enumerate(stream):
         ids, n_prompt = encode(tokenizer, ex, eos)
