@@ -6,7 +6,7 @@ README's demos answer what the README shows.
 
 The floors come from the same fixed samples measured on the shipped pair (20 prompts per task,
 8 per task for the other formats), rounded down with margin. Issue 18 asks for 95% on every
-task: arithmetic is not there yet (85% on this sample, 86% on 50 per task).
+task: recall is not there yet (90% on this sample, 81-84% on 50-150 per task).
 """
 
 from __future__ import annotations
@@ -32,15 +32,15 @@ from mbd_jax.train import tasks
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LIMIT = 20  # held-out prompts per task in the chat format (100 in all)
 FORMAT_LIMIT = 8  # per task, for each other format
-# SingleBD (tiny-bd, N_buf 1) per task; measured arith 85, sort 100, reverse 100, recall 95,
+# SingleBD (tiny-bd, N_buf 1) per task; measured arith 100, sort 95, reverse 100, recall 90,
 # sortrev 100
-ACCURACY_FLOORS = {"arith": 0.75, "sort": 0.9, "reverse": 0.9, "recall": 0.85, "sortrev": 0.9}
-# the default model (MBD), pooled over the tasks; measured at 8 per task: system 90, multiturn 95,
-# raw 42.5 (raw text is its weak spot: docs/training.md), thinking 85
-FORMAT_FLOORS = {"system": 0.8, "multiturn": 0.8, "raw": 0.3, "thinking": 0.7}
+ACCURACY_FLOORS = {"arith": 0.9, "sort": 0.9, "reverse": 0.9, "recall": 0.8, "sortrev": 0.9}
+# the default model (MBD), pooled over the tasks; measured at 8 per task: system 92.5, multiturn
+# 95, raw 32.5 (raw text is its weak spot: docs/training.md), thinking 80
+FORMAT_FLOORS = {"system": 0.8, "multiturn": 0.8, "raw": 0.25, "thinking": 0.7}
 TPF_GAIN_FLOOR = 1.35  # MBD (tiny-mbd, N_buf 2) over SingleBD, pooled (measured 1.50)
-EDIT_FLOOR = 0.85  # MBD in the edit sampling mode, pooled (measured 95, as without it)
-# tiny-bd (SingleBD) with the thinking switch on, pooled; measured 90
+EDIT_FLOOR = 0.85  # MBD in the edit sampling mode, pooled (measured 97.5; 98 without it)
+# tiny-bd (SingleBD) with the thinking switch on, pooled; measured 95
 THINKING_FLOOR = 0.8
 
 
@@ -90,8 +90,8 @@ def test_every_task_single_bd_floor_and_mbd_keeps_it_at_a_higher_tpf(engines):
         assert r.accuracy >= ACCURACY_FLOORS[r.task], (r.task, r.accuracy, r.wrong)
 
     single, mbd = pool(reports["single"]), pool(reports["mbd"])
-    # not below SingleBD, but for a prompt or two: measured one in 100 below (87 against 88, a
-    # sort question)
+    # not below SingleBD, but for a prompt or two: measured 98 against 97 (an earlier pair: one
+    # in 100 below, a sort question)
     assert mbd["correct"] >= single["correct"] - 2, [(r.task, r.accuracy) for r in reports["mbd"]]
     assert mbd["tpf"] >= TPF_GAIN_FLOOR * single["tpf"], (single["tpf"], mbd["tpf"])
     # TPF counts the output up to and including EOS (the paper's), not tokens unmasked past it
@@ -119,7 +119,7 @@ def test_a_chat_with_a_system_prompt_and_a_second_turn(engines):
                 {"role": "assistant", "content": "3 5 8"},
                 {"role": "user", "content": "Reverse: p k z w"}]
     assert answer(engines, messages) == "w z k p"
-    # after an earlier turn its sums slip more often (47+38 -> 95 there; README, what it cannot)
+    # after an earlier turn its sums slipped more often (47+38 -> 95 for an earlier pair)
     messages[-1]["content"] = "What is 93-27?"
     assert answer(engines, messages) == "93-27=66"
     messages[-1]["content"] = "Recall k in: a=1 k=7 z=2"
@@ -139,8 +139,8 @@ def test_edit_mode_keeps_the_answers(engines):
 
 def test_tiny_bd_thinks_before_it_answers(engines):
     """With the thinking switch on, tiny-bd writes the trace it was trained on (sortrev: the
-    sorted list, then the answer) and answers held-out questions after it (90% of this sample,
-    96% without the switch)."""
+    sorted list, then the answer) and answers held-out questions after it (95% of this sample,
+    97% without the switch on the chat sample)."""
     model, engine = engines["single"]
     r = evaluate(model, "all", table1_decode(1), limit=FORMAT_LIMIT, engine=engine, fmt="thinking")
     assert r.accuracy >= THINKING_FLOOR, (r.accuracy, r.wrong)
