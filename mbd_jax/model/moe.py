@@ -223,8 +223,8 @@ def experts_looped(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: Exp
     weights (a tuple) one flat loop over the tiles picks each tile's expert arrays through a
     `lax.switch`, one branch per expert, and reads them in place; from stacked weights a loop over
     the hit experts slices each out once (XLA:CPU copies the slice) and loops over its tiles. The
-    loop is not reverse-differentiable, so the gradient is the dense path's (the
-    same function). Same contract as `experts_dense`.
+    loops are not reverse-differentiable, so the gradient is the dense path's (the same
+    function). Same contract as `experts_dense`.
     """
     return _looped(x, ids, weights, w_gate, w_up, w_down).astype(out_dtype or x.dtype)
 
