@@ -281,7 +281,7 @@ def test_engine_keeps_per_expert_weights_where_the_looped_path_runs_on_one_cpu_d
     out = {}
     for split in (True, False):
         engine = Engine(auto, tiny_params(), batch_size=2, buffer_size=2, prefill_chunk=16,
-                        split_experts=None if split else False)
+                        split_experts=split)
         assert engine.experts_split is split
         moe_params = engine.params["layer_1"]["moe"]
         assert isinstance(moe_params["experts_gate"], tuple) is split

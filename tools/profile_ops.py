@@ -69,7 +69,7 @@ def profile(args) -> dict:
     m = load_model(args.model, runtime={"moe_impl": args.moe_impl} if args.moe_impl else None)
     engine = Engine(m.cfg, m.params, batch_size=args.batch, buffer_size=1,
                     prefill_chunk=args.prompt_len,
-                    split_experts=None if args.split_experts == "auto" else False)
+                    split_experts=args.split_experts == "auto")
     engine.warmup()
     rng = np.random.default_rng(1)
     prompts = rng.integers(5, m.cfg.vocab_size - 8, size=(args.batch, args.prompt_len)).tolist()

@@ -53,7 +53,7 @@ class Engine:
                  prefix_store: PrefixStore | None = None, offload_blocks_per_call: int = 64,
                  mesh: jax.sharding.Mesh | None = None, row_prefill_min: int = ROW_PREFILL_MIN,
                  kv_pool_tokens: int | None = None, share_prefixes: bool = True,
-                 split_experts: bool | None = None):
+                 split_experts: bool = True):
         """batch_size rows decode together; buffer_size is the compiled N_buf (requests may use
         less); with `debug`, every decode step checks the Block Buffer invariants and a broken
         one raises (slower: the check scans each row's canvas). With a tokenizer, results carry
@@ -67,9 +67,10 @@ class Engine:
         row can hold a full context at once); a request waits until its pages are free.
         `share_prefixes`: a prompt whose leading pages match a prefilled prompt's maps those
         pages instead of prefilling them (pages.py; needs pages of whole blocks).
-        `split_experts`: keep each routed expert's weights as arrays of their own (default: while
-        the all-rows program runs the looped path on one CPU device, model/layout.py's
-        splits_experts; the engine's copies, so the caller's stacked ones are not needed)."""
+        `split_experts`: keep each routed expert's weights as arrays of their own while the
+        all-rows program runs the looped path on one CPU device (model/layout.py's
+        splits_experts; the engine's copies, so the caller's stacked ones are not needed); False
+        keeps them stacked everywhere."""
         if prefill_chunk < cfg.block_size or prefill_chunk % cfg.block_size:
             raise UserError(f"prefill_chunk ({prefill_chunk}) must be a positive multiple of "
                             f"block_size ({cfg.block_size})")
@@ -148,8 +149,7 @@ class Engine:
     def _use_layout(self, moe_impl: str) -> None:
         """Puts the expert weights in the layout path `moe_impl` reads fastest: per-expert arrays
         for the looped path on one CPU device, stacked otherwise (model/layout.py)."""
-        split = (layout.splits_experts(self.cfg, self.mesh, moe_impl)
-                 if self._split_experts is None else self._split_experts)
+        split = self._split_experts and layout.splits_experts(self.cfg, self.mesh, moe_impl)
         if split != self.experts_split:
             self.params = (layout.split_experts if split else layout.stack_experts)(self.params)
             self.experts_split = split
