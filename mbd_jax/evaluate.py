@@ -41,10 +41,10 @@ class EvalReport:
         return dataclasses.asdict(self)
 
 
-def task_names(task: str, limit: int) -> list[str]:
+def task_names(task: str, limit: int, where: str = "--task") -> list[str]:
     """`task` (a name, a comma-separated list, or `all`) as task names; checks `limit` too."""
     names = list(tasks.TASKS) if task == "all" else task.split(",")
-    tasks.check_tasks(names, where="--task")
+    tasks.check_tasks(names, where=where)
     if limit < 1:
         raise UserError(f"--limit must be >= 1, got {limit}")
     return names
@@ -105,10 +105,11 @@ def table1_decode(buffer_size: int, **overrides: Any) -> DecodeConfig:
 
 
 def evaluate_tasks(model: LoadedModel, decode: DecodeConfig, engine: Engine, *, limit: int,
-                   fmt: str = "chat") -> list[EvalReport]:
-    """One report per task of the suite (tasks.TASKS), on one engine; `pool` merges them."""
+                   fmt: str = "chat", task: str = "all") -> list[EvalReport]:
+    """One report per task of `task` (as `evaluate` reads it; all: tasks.TASKS), on one engine;
+    `pool` merges them."""
     return [evaluate(model, name, decode, limit=limit, engine=engine, fmt=fmt)
-            for name in tasks.TASKS]
+            for name in task_names(task, limit)]
 
 
 def pool(reports: list[EvalReport]) -> dict[str, Any]:

@@ -32,15 +32,16 @@ from mbd_jax.train import tasks
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LIMIT = 20  # held-out prompts per task in the chat format (100 in all)
 FORMAT_LIMIT = 8  # per task, for each other format
-# SingleBD (tiny-bd, N_buf 1) per task; measured arith 100, sort 95, reverse 100, recall 90,
-# sortrev 100
-ACCURACY_FLOORS = {"arith": 0.9, "sort": 0.9, "reverse": 0.9, "recall": 0.8, "sortrev": 0.9}
-# the default model (MBD), pooled over the tasks; measured at 8 per task: system 92.5, multiturn
-# 95, raw 32.5 (raw text is its weak spot: docs/training.md), thinking 80
-FORMAT_FLOORS = {"system": 0.8, "multiturn": 0.8, "raw": 0.25, "thinking": 0.7}
-TPF_GAIN_FLOOR = 1.35  # MBD (tiny-mbd, N_buf 2) over SingleBD, pooled (measured 1.50)
-EDIT_FLOOR = 0.85  # MBD in the edit sampling mode, pooled (measured 97.5; 98 without it)
-# tiny-bd (SingleBD) with the thinking switch on, pooled; measured 95
+# SingleBD (tiny-bd, N_buf 1) per task; measured 100 on every task but recall (90)
+ACCURACY_FLOORS = {"arith": 0.9, "sort": 0.9, "reverse": 0.9, "recall": 0.8, "sortrev": 0.9,
+                   "longsort": 0.9, "longreverse": 0.9}
+# the default model (MBD), pooled over the tasks; measured at 8 per task: system 94.6, multiturn
+# 75 (the long lists after an earlier turn: docs/training.md), raw 26.8 (raw text is its weak
+# spot), thinking 89
+FORMAT_FLOORS = {"system": 0.85, "multiturn": 0.65, "raw": 0.2, "thinking": 0.8}
+TPF_GAIN_FLOOR = 1.4  # MBD (tiny-mbd, N_buf 2) over SingleBD, pooled (measured 1.55)
+EDIT_FLOOR = 0.85  # MBD in the edit sampling mode, pooled (measured 96.4; 97.9 without it)
+# tiny-bd (SingleBD) with the thinking switch on, pooled; measured 92.9
 THINKING_FLOOR = 0.8
 
 
@@ -90,8 +91,8 @@ def test_every_task_single_bd_floor_and_mbd_keeps_it_at_a_higher_tpf(engines):
         assert r.accuracy >= ACCURACY_FLOORS[r.task], (r.task, r.accuracy, r.wrong)
 
     single, mbd = pool(reports["single"]), pool(reports["mbd"])
-    # not below SingleBD, but for a prompt or two: measured 98 against 97 (an earlier pair: one
-    # in 100 below, a sort question)
+    # not below SingleBD, but for a prompt or two: measured 137 against 138 of 140 (a long sort;
+    # the pair before: 98 against 97 of 100)
     assert mbd["correct"] >= single["correct"] - 2, [(r.task, r.accuracy) for r in reports["mbd"]]
     assert mbd["tpf"] >= TPF_GAIN_FLOOR * single["tpf"], (single["tpf"], mbd["tpf"])
     # TPF counts the output up to and including EOS (the paper's), not tokens unmasked past it
@@ -139,8 +140,8 @@ def test_edit_mode_keeps_the_answers(engines):
 
 def test_tiny_bd_thinks_before_it_answers(engines):
     """With the thinking switch on, tiny-bd writes the trace it was trained on (sortrev: the
-    sorted list, then the answer) and answers held-out questions after it (95% of this sample,
-    97% without the switch on the chat sample)."""
+    sorted list, then the answer) and answers held-out questions after it (93% of this sample,
+    99% without the switch on the chat sample)."""
     model, engine = engines["single"]
     r = evaluate(model, "all", table1_decode(1), limit=FORMAT_LIMIT, engine=engine, fmt="thinking")
     assert r.accuracy >= THINKING_FLOOR, (r.accuracy, r.wrong)

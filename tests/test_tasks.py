@@ -78,7 +78,9 @@ def test_the_shipped_models_training_stream_is_unchanged():
     its first 500 examples, taken before the thinking format existed), so `make models`
     reproduces them."""
     h = hashlib.sha256()
-    for ex, _ in zip(tasks.examples(list(tasks.TASKS), seed=3), range(500)):
+    first_five = ["arith", "sort", "reverse", "recall", "sortrev"]  # tasks added later: no change
+    assert list(tasks.TASKS)[:5] == first_five
+    for ex, _ in zip(tasks.examples(first_five, seed=3), range(500)):
         h.update(f"{ex.format}|{ex.prompt}|{ex.answer}".encode())
     assert h.hexdigest()[:16] == "62021622fe02d550"
 
@@ -169,6 +171,11 @@ def test_long_answers_span_several_blocks():
     blocks = [len(tok.encode(ex.answer)) // 8 + 1
               for ex, _ in zip(tasks.examples(["sort", "reverse", "sortrev"], 0), range(300))]
     assert max(blocks) >= 3 and np.mean([b >= 2 for b in blocks]) > 0.4
+    # the long tasks: every answer (and its EOS) spans 2-6 blocks, longsort's 3-6
+    for name, lo, hi in (("longsort", 3, 6), ("longreverse", 2, 4)):
+        spans = [(len(tok.encode(ex.answer)) + 1 + 7) // 8
+                 for ex, _ in zip(tasks.examples([name], 0), range(200))]
+        assert min(spans) == lo and max(spans) == hi, (name, collections.Counter(spans))
 
 
 def test_length_buckets_hold_exactly_the_examples_that_need_them():

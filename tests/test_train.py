@@ -301,6 +301,6 @@ def test_the_shipped_training_configs_load_and_chain():
     stages = [line.split("--config configs/train/")[1].split()[0]
               for line in make.splitlines() if "train --config configs/train/" in line]
     assert stages == ["recall-lookup.yaml", "recall-then-mix.yaml", "recall-then-mix-arith.yaml",
-                      "mix-low-lr.yaml", "tiny-bd.yaml", "tiny-mbd.yaml"]
+                      "mix-low-lr.yaml", "mix-arith.yaml", "tiny-bd.yaml", "tiny-mbd.yaml"]
     for i, stage in enumerate(stages[1:-1], 1):  # each trains on from the stage before it
         assert configs[stage].path(configs[stage].model) == configs[stages[i - 1]].output_dir()

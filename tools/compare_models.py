@@ -3,7 +3,7 @@ for each buffer size and question format (issue 17's attention-only vs hybrid ta
 with a tokenizer).
 
     python tools/compare_models.py --models runs/a-model,runs/b-model --buffer-size 1,2 [--limit 20]
-                                   [--formats chat,system,multiturn,raw]
+                                   [--formats chat,system,multiturn,raw] [--tasks arith,sort]
 
 Prints JSON (stdout) and a table (stderr). Decoding: Table 1's settings (evaluate.table1_decode).
 """
@@ -22,7 +22,8 @@ sys.path.insert(0, str(ROOT))
 def main() -> None:
     from mbd_jax.checkpoint import load_model
     from mbd_jax.engine import Engine
-    from mbd_jax.evaluate import evaluate_tasks, pool, table1_decode
+    from mbd_jax.errors import UserError
+    from mbd_jax.evaluate import evaluate_tasks, pool, table1_decode, task_names
     from mbd_jax.train import tasks
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -30,13 +31,18 @@ def main() -> None:
     ap.add_argument("--buffer-size", default="1,2", help="comma-separated N_buf values")
     ap.add_argument("--formats", default="chat", help=f"comma-separated: {', '.join(tasks.FORMATS)}")
     ap.add_argument("--limit", type=int, default=20, help="held-out prompts per task")
+    ap.add_argument("--tasks", default="all",
+                    help=f"comma-separated: {', '.join(tasks.TASKS)}; or all (default)")
     ap.add_argument("--batch-size", type=int, default=16)
     args = ap.parse_args()
     buffers = [int(b) for b in args.buffer_size.split(",")]
     formats = args.formats.split(",")
     if bad := [f for f in formats if f not in tasks.FORMATS]:
         ap.error(f"--formats: unknown {', '.join(bad)}; allowed: {', '.join(tasks.FORMATS)}")
-    names = list(tasks.TASKS)
+    try:
+        names = task_names(args.tasks, args.limit, where="--tasks")
+    except UserError as e:
+        ap.error(str(e))
     out = []
     for name in args.models.split(","):
         model = load_model(name)
@@ -46,7 +52,7 @@ def main() -> None:
             engine.warmup()
             for fmt in formats:
                 reports = evaluate_tasks(model, table1_decode(n_buf), engine, limit=args.limit,
-                                         fmt=fmt)
+                                         fmt=fmt, task=",".join(names))
                 row = {"model": name, "buffer_size": n_buf, "format": fmt, **pool(reports),
                        "tasks": {r.task: r.accuracy for r in reports}}
                 out.append(row)

@@ -10,9 +10,12 @@ so accuracy on the held-out split measures generalisation.
     reverse  Reverse: k d a q m                  -> m q a d k  (3-10 letters)
     recall   Recall c f in: a=4 c=9 f=1 x=0      -> c=9 f=1    (2-6 pairs, one or two keys)
     sortrev  Sort and reverse: 7 2 9 4           -> 9 7 4 2    (two steps: 3-8 digits)
+    longsort     Sort: 11-20 digits              -> 22-40 tokens: three to six 8-token blocks
+    longreverse  Reverse: 11-24 letters          -> 11-24 tokens: two to three blocks
 
 Answers of the longer lists span several 8-token blocks, which is where decoding the next block
-early (MultiBD) has room to pay.
+early (MultiBD) has room to pay: the long tasks exist for that (the first five are the shipped
+pipeline's first stages; their streams do not change when tasks are added).
 
 A question reaches the model in one of four formats, so every service path sees text it was
 trained on: `chat` (one user turn, the `plain` template: `/v1/chat/completions`), `system` (a
@@ -89,6 +92,10 @@ def _digits(rng: np.random.Generator, lo: int, hi: int) -> list[int]:
     return [int(x) for x in rng.integers(0, 10, size=int(rng.integers(lo, hi + 1)))]
 
 
+def _letters(rng: np.random.Generator, lo: int, hi: int) -> list[str]:
+    return [_LETTERS[int(i)] for i in rng.integers(0, 26, size=int(rng.integers(lo, hi + 1)))]
+
+
 def _arith(rng: np.random.Generator) -> Problem:
     a, b = int(rng.integers(0, 100)), int(rng.integers(0, 100))
     if rng.random() < 0.5:
@@ -97,14 +104,28 @@ def _arith(rng: np.random.Generator) -> Problem:
     return Problem(f"What is {a}-{b}?", f"{a}-{b}={a - b}", _arith_trace(a, "-", b))
 
 
-def _sort(rng: np.random.Generator) -> Problem:
-    xs = _digits(rng, 3, 10)
+def _sort_problem(xs: list[int]) -> Problem:
     return Problem("Sort: " + " ".join(map(str, xs)), " ".join(map(str, sorted(xs))))
 
 
-def _reverse(rng: np.random.Generator) -> Problem:
-    xs = [_LETTERS[int(i)] for i in rng.integers(0, 26, size=int(rng.integers(3, 11)))]
+def _reverse_problem(xs: list[str]) -> Problem:
     return Problem("Reverse: " + " ".join(xs), " ".join(reversed(xs)))
+
+
+def _sort(rng: np.random.Generator) -> Problem:
+    return _sort_problem(_digits(rng, 3, 10))
+
+
+def _reverse(rng: np.random.Generator) -> Problem:
+    return _reverse_problem(_letters(rng, 3, 10))
+
+
+def _longsort(rng: np.random.Generator) -> Problem:
+    return _sort_problem(_digits(rng, 11, 20))
+
+
+def _longreverse(rng: np.random.Generator) -> Problem:
+    return _reverse_problem(_letters(rng, 11, 24))
 
 
 def _recall(rng: np.random.Generator) -> Problem:
@@ -135,7 +156,8 @@ def _arith_trace(a: int, op: str, b: int) -> str:
 
 
 TASKS: dict[str, Callable[[np.random.Generator], Problem]] = {
-    "arith": _arith, "sort": _sort, "reverse": _reverse, "recall": _recall, "sortrev": _sortrev}
+    "arith": _arith, "sort": _sort, "reverse": _reverse, "recall": _recall, "sortrev": _sortrev,
+    "longsort": _longsort, "longreverse": _longreverse}
 
 
 def is_heldout(question: str) -> bool:
