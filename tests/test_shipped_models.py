@@ -30,7 +30,7 @@ from mbd_jax.evaluate import evaluate, evaluate_tasks, pool, table1_decode
 from mbd_jax.train import tasks
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-LIMIT = 20  # held-out prompts per task in the chat format (100 in all)
+LIMIT = 20  # held-out prompts per task in the chat format (140 in all)
 FORMAT_LIMIT = 8  # per task, for each other format
 # SingleBD (tiny-bd, N_buf 1) per task; measured 100 on every task but recall (90)
 ACCURACY_FLOORS = {"arith": 0.9, "sort": 0.9, "reverse": 0.9, "recall": 0.8, "sortrev": 0.9,

@@ -10,8 +10,8 @@ so accuracy on the held-out split measures generalisation.
     reverse  Reverse: k d a q m                  -> m q a d k  (3-10 letters)
     recall   Recall c f in: a=4 c=9 f=1 x=0      -> c=9 f=1    (2-6 pairs, one or two keys)
     sortrev  Sort and reverse: 7 2 9 4           -> 9 7 4 2    (two steps: 3-8 digits)
-    longsort     Sort: 11-20 digits              -> 22-40 tokens: three to six 8-token blocks
-    longreverse  Reverse: 11-24 letters          -> 11-24 tokens: two to three blocks
+    longsort     Sort: 11-20 digits              -> 22-40 tokens: 3-6 8-token blocks with its EOS
+    longreverse  Reverse: 11-24 letters          -> 11-24 tokens: 2-4 blocks with its EOS
 
 Answers of the longer lists span several 8-token blocks, which is where decoding the next block
 early (MultiBD) has room to pay: the long tasks exist for that (the first five are the shipped
