@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from mbd_jax.checkpoint import LoadedModel
@@ -105,11 +106,11 @@ def table1_decode(buffer_size: int, **overrides: Any) -> DecodeConfig:
 
 
 def evaluate_tasks(model: LoadedModel, decode: DecodeConfig, engine: Engine, *, limit: int,
-                   fmt: str = "chat", task: str = "all") -> list[EvalReport]:
-    """One report per task of `task` (as `evaluate` reads it; all: tasks.TASKS), on one engine;
-    `pool` merges them."""
-    return [evaluate(model, name, decode, limit=limit, engine=engine, fmt=fmt)
-            for name in task_names(task, limit)]
+                   fmt: str = "chat", names: Sequence[str] = tuple(tasks.TASKS)
+                   ) -> list[EvalReport]:
+    """One report per task of `names` (default: the whole suite), on one engine; `pool` merges
+    them."""
+    return [evaluate(model, name, decode, limit=limit, engine=engine, fmt=fmt) for name in names]
 
 
 def pool(reports: list[EvalReport]) -> dict[str, Any]:

@@ -52,7 +52,7 @@ def main() -> None:
             engine.warmup()
             for fmt in formats:
                 reports = evaluate_tasks(model, table1_decode(n_buf), engine, limit=args.limit,
-                                         fmt=fmt, task=",".join(names))
+                                         fmt=fmt, names=names)
                 row = {"model": name, "buffer_size": n_buf, "format": fmt, **pool(reports),
                        "tasks": {r.task: r.accuracy for r in reports}}
                 out.append(row)

@@ -36,6 +36,7 @@ only where a config asks (`thinking_share`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import string
 from collections.abc import Callable, Iterator
@@ -104,28 +105,14 @@ def _arith(rng: np.random.Generator) -> Problem:
     return Problem(f"What is {a}-{b}?", f"{a}-{b}={a - b}", _arith_trace(a, "-", b))
 
 
-def _sort_problem(xs: list[int]) -> Problem:
+def _sort(rng: np.random.Generator, lo: int = 3, hi: int = 10) -> Problem:
+    xs = _digits(rng, lo, hi)
     return Problem("Sort: " + " ".join(map(str, xs)), " ".join(map(str, sorted(xs))))
 
 
-def _reverse_problem(xs: list[str]) -> Problem:
+def _reverse(rng: np.random.Generator, lo: int = 3, hi: int = 10) -> Problem:
+    xs = _letters(rng, lo, hi)
     return Problem("Reverse: " + " ".join(xs), " ".join(reversed(xs)))
-
-
-def _sort(rng: np.random.Generator) -> Problem:
-    return _sort_problem(_digits(rng, 3, 10))
-
-
-def _reverse(rng: np.random.Generator) -> Problem:
-    return _reverse_problem(_letters(rng, 3, 10))
-
-
-def _longsort(rng: np.random.Generator) -> Problem:
-    return _sort_problem(_digits(rng, 11, 20))
-
-
-def _longreverse(rng: np.random.Generator) -> Problem:
-    return _reverse_problem(_letters(rng, 11, 24))
 
 
 def _recall(rng: np.random.Generator) -> Problem:
@@ -157,7 +144,8 @@ def _arith_trace(a: int, op: str, b: int) -> str:
 
 TASKS: dict[str, Callable[[np.random.Generator], Problem]] = {
     "arith": _arith, "sort": _sort, "reverse": _reverse, "recall": _recall, "sortrev": _sortrev,
-    "longsort": _longsort, "longreverse": _longreverse}
+    "longsort": functools.partial(_sort, lo=11, hi=20),
+    "longreverse": functools.partial(_reverse, lo=11, hi=24)}
 
 
 def is_heldout(question: str) -> bool:

@@ -1,0 +1,71 @@
+"""Accuracy and TPF grouped by answer length (output blocks, the EOS counted), for models at given
+buffer sizes on the same held-out prompts: whether MultiBD's TPF gain grows with the answer.
+
+    python tools/tpf_by_length.py --runs tiny-bd:1,tiny-mbd:2 [--tasks sort,sortrev,reverse] [--limit 60]
+
+Decoding: Table 1's settings (evaluate.table1_decode). JSON on stdout, a table on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    from mbd_jax.checkpoint import load_model
+    from mbd_jax.engine import Engine
+    from mbd_jax.errors import UserError
+    from mbd_jax.evaluate import table1_decode, task_names
+    from mbd_jax.train import tasks
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", required=True, help="comma-separated MODEL:N_BUF pairs")
+    ap.add_argument("--tasks", default="sort,sortrev,reverse",
+                    help=f"comma-separated: {', '.join(tasks.TASKS)}; or all")
+    ap.add_argument("--limit", type=int, default=60, help="held-out prompts per task")
+    ap.add_argument("--batch-size", type=int, default=16)
+    args = ap.parse_args()
+    try:
+        names = task_names(args.tasks, args.limit, where="--tasks")
+        runs = [(name, int(n_buf)) for name, n_buf in (r.rsplit(":", 1) for r in args.runs.split(","))]
+    except (UserError, ValueError) as e:
+        ap.error(f"--tasks / --runs (MODEL:N_BUF,...): {e}")
+    examples = [ex for name in names for ex in tasks.heldout(name, args.limit)]
+    out = []
+    for name, n_buf in runs:
+        model = load_model(name)
+        prompts = [model.tokenizer.encode(ex.prompt) for ex in examples]
+        engine = Engine(model.cfg, model.params, batch_size=args.batch_size, buffer_size=n_buf,
+                        tokenizer=model.tokenizer)
+        engine.warmup(buckets=engine.prefill_buckets_for(prompts))
+        decode, block = table1_decode(n_buf), model.cfg.block_size
+        groups = collections.defaultdict(lambda: {"n": 0, "correct": 0, "tokens": 0, "nfe": 0})
+        for s in range(0, len(prompts), engine.batch_size):
+            results = engine.generate(prompts[s: s + engine.batch_size], decode)
+            for ex, r in zip(examples[s: s + engine.batch_size], results):
+                g = groups[-(-r.output_tokens // block)]
+                g["n"] += 1
+                g["correct"] += ex.is_correct(r.text)
+                g["tokens"] += r.output_tokens
+                g["nfe"] += r.nfe
+        for blocks in sorted(groups):
+            g = groups[blocks]
+            out.append({"model": name, "buffer_size": n_buf, "blocks": blocks, **g,
+                        "accuracy": g["correct"] / g["n"], "tpf": g["tokens"] / max(g["nfe"], 1)})
+    print("\n| model | N_buf | answer blocks | prompts | accuracy % | TPF |\n|---|---|---|---|---|---|",
+          file=sys.stderr)
+    for o in out:
+        print(f"| {o['model']} | {o['buffer_size']} | {o['blocks']} | {o['n']} | "
+              f"{100 * o['accuracy']:.0f} | {o['tpf']:.2f} |", file=sys.stderr)
+    print(json.dumps({"tasks": names, "limit_per_task": args.limit, "results": out}))
+
+
+if __name__ == "__main__":
+    main()
