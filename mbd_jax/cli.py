@@ -284,11 +284,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from mbd_jax.train.config import load_train_config
+    from mbd_jax.train.config import load_train_config, parse_overrides
     from mbd_jax.train.trainer import run_training
 
-    tcfg = load_train_config(args.config, steps=args.steps, checkpoint_dir=args.checkpoint_dir,
-                             output=args.output)
+    overrides = {**parse_overrides(args.set or []),
+                 **{k: v for k, v in (("steps", args.steps), ("checkpoint_dir", args.checkpoint_dir),
+                                      ("output", args.output)) if v is not None}}
+    tcfg = load_train_config(args.config, **overrides)
     import jax
 
     mesh = multihost.mesh_from_args(args) if args.mesh or jax.process_count() > 1 else None
@@ -408,6 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-dir", help="override the config's checkpoint_dir (resumes from it)")
     t.add_argument("--output", help="the model directory to write (default: the config's output, "
                                     "else runs/<name>-model)")
+    t.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                   help="override one config field (repeatable; VALUE as YAML), e.g. --set g_max=3")
     t.add_argument("--force", action="store_true", help="allow replacing a shipped model (models/)")
     t.add_argument("--no-progress", action="store_true",
                    help="no progress bar: a JSON line of metrics every log_every steps (stderr)")

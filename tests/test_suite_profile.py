@@ -59,3 +59,16 @@ def test_the_plugin_records_each_test_and_its_compiles(tmp_path):
     report = subprocess.run([sys.executable, str(ROOT / "tools" / "suite_profile.py"), str(out)],
                             capture_output=True, text=True, timeout=60)
     assert json.loads(report.stdout)["tests"] == 2 and "test_compiles" in report.stderr
+
+
+def test_the_report_reads_a_run_too_short_to_share(tmp_path):
+    """Tests that took under 0.05 s in all round to a zero total: the report still prints, with
+    no shares (it once divided by that zero)."""
+    rows = [{"id": "t.py::test_a", "wall": 0.01}, {"id": "t.py::test_b", "wall": 0.02}]
+    (tmp_path / "worker-gw0.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n")
+    report = subprocess.run([sys.executable, str(ROOT / "tools" / "suite_profile.py"),
+                             str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert report.returncode == 0, report.stderr
+    summary = json.loads(report.stdout)
+    assert summary["tests"] == 2 and summary["worker_seconds"] == 0.0
+    assert "Traceback" not in report.stderr and "test_b" in report.stderr

@@ -157,7 +157,7 @@ def test_sharded_train_step_on_8_cpu_devices_equals_single_device():
 
 def test_train_command_writes_a_loadable_model_under_runs_and_spares_shipped_models(tmp_path):
     """Without an output the model goes to runs/<name>-model; models/ stays git-clean; replacing
-    a shipped model needs --force (refused before any training)."""
+    a shipped model needs --force (refused before any training); --set overrides a field."""
     name = f"cli-test-{os.getpid()}"
     out = ROOT / "runs" / f"{name}-model"
     cfg_path = tmp_path / "t.yaml"
@@ -168,7 +168,7 @@ def test_train_command_writes_a_loadable_model_under_runs_and_spares_shipped_mod
         batch_size: 4
         checkpoint_dir: {tmp_path / 'ckpt'}
         checkpoint_every: 2
-        log_every: 2
+        log_every: 1000
     """))
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     shipped = ["git", "status", "--porcelain", "--", "models"]
@@ -179,8 +179,8 @@ def test_train_command_writes_a_loadable_model_under_runs_and_spares_shipped_mod
     assert r.returncode == 2 and "--force" in r.stderr and "Traceback" not in r.stderr, r.stderr
     try:
         r = subprocess.run([sys.executable, "-m", "mbd_jax", "train", "--config", str(cfg_path),
-                            "--no-progress"], capture_output=True, text=True, cwd=ROOT, env=env,
-                           timeout=600)
+                            "--no-progress", "--set", "log_every=2"], capture_output=True,
+                           text=True, cwd=ROOT, env=env, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         assert json.loads(r.stdout.splitlines()[-1])["model_dir"] == str(out)
         logged = [json.loads(line) for line in r.stderr.splitlines() if line.startswith('{"')]
@@ -202,6 +202,14 @@ def test_train_command_writes_a_loadable_model_under_runs_and_spares_shipped_mod
     r = subprocess.run([sys.executable, "-m", "mbd_jax", "train", "--config", str(cfg_path)],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert r.returncode == 2 and "learning_rat" in r.stderr and "Traceback" not in r.stderr
+    # so is a bad --set: an unknown field, an ill-typed value, a pair without '='
+    cfg_path.write_text("name: x\nmodel: tiny-moe\noutput: y\n")
+    for flag, named in (("g_maks=3", "g_maks"), ("g_max=three", "g_max"),
+                        ("g_max", "FIELD=VALUE")):
+        r = subprocess.run([sys.executable, "-m", "mbd_jax", "train", "--config", str(cfg_path),
+                            "--set", flag], capture_output=True, text=True, cwd=ROOT, env=env,
+                           timeout=120)
+        assert r.returncode == 2 and named in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_weight_decay_reaches_the_same_parameters_scanned_or_unrolled():

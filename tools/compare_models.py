@@ -42,17 +42,16 @@ def main() -> None:
     for flag in ("threshold", "semi-complete-threshold", "add-block-threshold"):
         ap.add_argument(f"--{flag}", help="comma-separated values (default: table1_decode's)")
     args = ap.parse_args()
-    buffers = [int(b) for b in args.buffer_size.split(",")]
-    try:
+    try:  # every decode config of the run, validated before any model loads
+        buffers = [int(b) for b in args.buffer_size.split(",")]
         sweep = {key: [float(v) for v in value.split(",")] if value else [None]
                  for key, value in (("accept_threshold", args.threshold),
                                     ("semi_complete_threshold", args.semi_complete_threshold),
                                     ("add_block_threshold", args.add_block_threshold))}
-        settings = [dict(zip(sweep, values)) for values in itertools.product(*sweep.values())]
-        for n_buf, setting in itertools.product(buffers, settings):
-            table1_decode(n_buf, **setting)  # validated before any model loads
+        decodes = {n_buf: [table1_decode(n_buf, **dict(zip(sweep, values)))
+                           for values in itertools.product(*sweep.values())] for n_buf in buffers}
     except (ValueError, UserError) as e:
-        ap.error(f"decode settings: {e}")
+        ap.error(f"--buffer-size / decode thresholds: {e}")
     formats = args.formats.split(",")
     if bad := [f for f in formats if f not in tasks.FORMATS]:
         ap.error(f"--formats: unknown {', '.join(bad)}; allowed: {', '.join(tasks.FORMATS)}")
@@ -63,12 +62,11 @@ def main() -> None:
     out = []
     for name in args.models.split(","):
         model = load_model(name)
-        for n_buf in buffers:
+        for n_buf in decodes:
             engine = Engine(model.cfg, model.params, batch_size=args.batch_size,
                             buffer_size=n_buf, tokenizer=model.tokenizer)
             engine.warmup()
-            for fmt, setting in itertools.product(formats, settings):
-                decode = table1_decode(n_buf, **setting)
+            for fmt, decode in itertools.product(formats, decodes[n_buf]):
                 reports = evaluate_tasks(model, decode, engine, limit=args.limit, fmt=fmt,
                                          names=names)
                 row = {"model": name, "buffer_size": n_buf, "format": fmt,

@@ -34,18 +34,20 @@ def main() -> None:
     args = ap.parse_args()
     try:
         names = task_names(args.tasks, args.limit, where="--tasks")
-        runs = [(name, int(n_buf)) for name, n_buf in (r.rsplit(":", 1) for r in args.runs.split(","))]
+        runs = [(name, table1_decode(int(n_buf)))
+                for name, n_buf in (r.rsplit(":", 1) for r in args.runs.split(","))]
     except (UserError, ValueError) as e:
         ap.error(f"--tasks / --runs (MODEL:N_BUF,...): {e}")
     examples = [ex for name in names for ex in tasks.heldout(name, args.limit)]
     out = []
-    for name, n_buf in runs:
+    for name, decode in runs:
+        n_buf = decode.buffer_size
         model = load_model(name)
         prompts = [model.tokenizer.encode(ex.prompt) for ex in examples]
         engine = Engine(model.cfg, model.params, batch_size=args.batch_size, buffer_size=n_buf,
                         tokenizer=model.tokenizer)
         engine.warmup(buckets=engine.prefill_buckets_for(prompts))
-        decode, block = table1_decode(n_buf), model.cfg.block_size
+        block = model.cfg.block_size
         groups = collections.defaultdict(lambda: {"n": 0, "correct": 0, "tokens": 0, "nfe": 0})
         for s in range(0, len(prompts), engine.batch_size):
             results = engine.generate(prompts[s: s + engine.batch_size], decode)

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from typing import Literal
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import yaml
 
 from mbd_jax.config import REPO_ROOT, _check, from_dict, load_yaml
+from mbd_jax.errors import ConfigError
 from mbd_jax.train.tasks import FORMAT_WEIGHTS, TASKS
 
 
@@ -112,7 +116,23 @@ class TrainConfig:
         return q if q.is_absolute() else REPO_ROOT / q
 
 
+def parse_overrides(pairs: Sequence[str], where: str = "--set") -> dict[str, Any]:
+    """FIELD=VALUE strings (VALUE read as YAML: 3, 0.5, [a, b], text) as a mapping; the config
+    then checks each field's name and type like a field of the file."""
+    out = {}
+    for pair in pairs:
+        field, sep, value = pair.partition("=")
+        if not sep or not field.strip():
+            raise ConfigError(f"{where} {pair!r}: expected FIELD=VALUE, e.g. g_max=3")
+        try:
+            out[field.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{where} {pair!r}: VALUE is not valid YAML ({getattr(e, 'problem', None) or e})") from None
+    return out
+
+
 def load_train_config(path: str | pathlib.Path, **overrides) -> TrainConfig:
+    """The config file with `overrides` (field -> value; None keeps the file's) on top."""
     data = load_yaml(pathlib.Path(path)) or {}
     if isinstance(data, dict):
         data.update({k: v for k, v in overrides.items() if v is not None})
