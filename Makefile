@@ -6,7 +6,7 @@ PROMPT ?= Sort: 7 2 9 4
 PORT   ?= 8000
 ADMIN_PORT ?=
 
-.PHONY: run generate test test-slow bench models clean promtool
+.PHONY: run generate test test-slow lint bench models clean promtool
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,13 +32,17 @@ generate: $(VENV)/.installed
 ## make test: install with the dev extras (and promtool, where apt can) and run the whole suite,
 ## one worker per core (at most 4: each holds a JAX runtime); TEST_WORKERS=0 runs it in-process
 TEST_WORKERS ?= auto
-test: $(VENV)/.installed-dev promtool
+test: $(VENV)/.installed-dev promtool lint
 	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --maxprocesses 4 --dist worksteal)
 
 ## make test-slow: the heavier variants kept out of `make test` (each has a lighter test covering
 ## its behaviour in the default run)
 test-slow: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q -m slow $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --maxprocesses 4 --dist worksteal)
+
+## make lint: unused imports and names, undefined names, and the rest of pyflakes' checks (ruff)
+lint: $(VENV)/.installed-dev
+	$(BIN)/ruff check --quiet --select F mbd_jax tests tools
 
 # tests/test_deploy.py checks the alert rules with promtool (Debian's prometheus package).
 promtool:
@@ -52,15 +56,16 @@ bench: $(VENV)/.installed
 	$(BIN)/mbd-jax bench decode --buffer-size 1,2,4 --json
 
 ## make models: retrain the shipped tokenizer, tiny-bd and tiny-mbd from scratch (fixed seeds;
-## seven stages, 21,600 steps: about 6.5 h on 2 CPU cores, see docs/training.md)
+## eight stages, 23,100 steps: about 7 h on 2 CPU cores, see docs/training.md)
 models: $(VENV)/.installed
 	$(BIN)/python tools/train_tokenizer.py --tasks arith,sort,reverse,recall,sortrev --out configs/tokenizers/tasks --vocab 384
-	rm -rf runs/recall-lookup runs/recall-then-mix runs/recall-then-mix-arith runs/mix-low-lr runs/mix-arith runs/tiny-bd runs/tiny-mbd
+	rm -rf runs/recall-lookup runs/recall-then-mix runs/recall-then-mix-arith runs/mix-low-lr runs/mix-arith runs/long-lists runs/tiny-bd runs/tiny-mbd
 	$(BIN)/mbd-jax train --config configs/train/recall-lookup.yaml
 	$(BIN)/mbd-jax train --config configs/train/recall-then-mix.yaml
 	$(BIN)/mbd-jax train --config configs/train/recall-then-mix-arith.yaml
 	$(BIN)/mbd-jax train --config configs/train/mix-low-lr.yaml
 	$(BIN)/mbd-jax train --config configs/train/mix-arith.yaml
+	$(BIN)/mbd-jax train --config configs/train/long-lists.yaml
 	$(BIN)/mbd-jax train --config configs/train/tiny-bd.yaml --output models/tiny-bd --force
 	$(BIN)/mbd-jax train --config configs/train/tiny-mbd.yaml --output models/tiny-mbd --force
 

@@ -212,3 +212,35 @@ def test_length_buckets_hold_exactly_the_examples_that_need_them():
         from mbd_jax.config import from_dict
         from_dict(TrainConfig, {"name": "t", "model": "m", "seq_len": 64,
                                 "length_buckets": [64]}, where="t.yaml")
+
+
+def test_raw_answer_prefix_marks_raw_replies_only_and_eval_reads_past_it():
+    """With raw_answer_prefix a raw reply is `Answer: <answer>` (the mark of where a raw answer
+    begins), every other format's reply is unchanged, the stream draws the same questions and
+    formats as without it, and is_correct reads the answer after the mark (with or without it)
+    and nothing else."""
+    from mbd_jax.config import from_dict
+    from mbd_jax.train import trainer
+    names = list(tasks.TASKS)
+    plain = list(zip(tasks.examples(names, seed=6, thinking_share=0.2), range(600)))
+    marked = list(zip(tasks.examples(names, seed=6, thinking_share=0.2, raw_answer_prefix=True),
+                      range(600)))
+    assert sum(ex.format == "raw" for ex, _ in plain) > 30
+    for (a, _), (b, _) in zip(plain, marked):
+        assert (a.task, a.prompt, a.answer, a.format) == (b.task, b.prompt, b.answer, b.format)
+        if b.format == "raw":
+            assert b.reply == f"{tasks.RAW_ANSWER_PREFIX} {b.answer}" and a.reply == a.answer
+            assert b.is_correct(b.reply) and b.is_correct(b.answer) and a.is_correct(b.reply)
+            assert not b.is_correct(f"{tasks.RAW_ANSWER_PREFIX} {b.answer} x")
+            assert not b.is_correct(f"{b.answer} {tasks.RAW_ANSWER_PREFIX}")
+        else:
+            assert b.reply == a.reply and not b.prefix
+            assert not b.is_correct(f"{tasks.RAW_ANSWER_PREFIX} {b.answer}")  # raw only
+    tcfg = from_dict(TrainConfig, {"name": "t", "model": "m", "tasks": names,
+                                   "format_weights": {"raw": 1}, "raw_answer_prefix": True},
+                     where="t.yaml")
+    for ex, _ in zip(trainer.example_stream(tcfg, seed=7), range(20)):
+        assert ex.reply.startswith(tasks.RAW_ANSWER_PREFIX + " "), ex
+    with pytest.raises(UserError, match="raw_answer_prefix"):
+        from_dict(TrainConfig, {"name": "t", "model": "m", "raw_answer_prefix": "yes"},
+                  where="t.yaml")

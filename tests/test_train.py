@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from mbd_jax.config import ConfigError, SequenceModule
+from mbd_jax.errors import UserError
 from mbd_jax.checkpoint import load_model
 from mbd_jax.model.transformer import init_params
 from mbd_jax.train.config import TrainConfig
@@ -93,6 +94,11 @@ def test_resume_gives_the_same_next_step_loss(tmp_path):
     first.fit(progress="none")  # saves step 3
     resumed = Trainer(tcfg(steps=6, checkpoint_dir=str(tmp_path)), cfg, params, tok)
     assert resumed.restore() and resumed.step == 3
+    # a checkpoint of another run is refused, naming what differs (steps may grow: above)
+    other = Trainer(tcfg(steps=6, seed=99, checkpoint_dir=str(tmp_path)), cfg, params, tok)
+    with pytest.raises(UserError, match=r"another config \(seed: 0 there, 99 here\).*--checkpoint-dir"):
+        other.restore()
+    assert other.step == 0  # nothing restored
     again = [resumed.train_step()["loss"] for _ in range(3)]
     np.testing.assert_allclose(again, losses[3:], rtol=1e-6)
     fresh = Trainer(tcfg(steps=6), cfg, params, tok)  # without restoring: a different loss
@@ -192,7 +198,10 @@ def test_train_command_writes_a_loadable_model_under_runs_and_spares_shipped_mod
         shutil.rmtree(out, ignore_errors=True)
     assert model.cfg.name == name and model.tokenizer is not None
     assert manifest["steps"] == 3 and "tokenizer.model" in manifest["files"]
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["2", "3"]
+    # the two kept steps, and the config that wrote them (a resume under another is refused)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["2", "3", "train_config.json"]
+    recorded = json.loads((tmp_path / "ckpt" / "train_config.json").read_text())
+    assert recorded["seed"] == 0 and "checkpoint_dir" not in recorded and "steps" not in recorded
     start = load_model("tiny-moe")
     moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
                          model.params, start.params)
@@ -309,6 +318,29 @@ def test_the_shipped_training_configs_load_and_chain():
     stages = [line.split("--config configs/train/")[1].split()[0]
               for line in make.splitlines() if "train --config configs/train/" in line]
     assert stages == ["recall-lookup.yaml", "recall-then-mix.yaml", "recall-then-mix-arith.yaml",
-                      "mix-low-lr.yaml", "mix-arith.yaml", "tiny-bd.yaml", "tiny-mbd.yaml"]
+                      "mix-low-lr.yaml", "mix-arith.yaml", "long-lists.yaml", "tiny-bd.yaml",
+                      "tiny-mbd.yaml"]
     for i, stage in enumerate(stages[1:-1], 1):  # each trains on from the stage before it
         assert configs[stage].path(configs[stage].model) == configs[stages[i - 1]].output_dir()
+
+
+def test_a_rare_row_length_still_fills_its_batch():
+    """The longest rows of the shipped tiny-bd stage are 1.3% of its examples: step 324's batch
+    of them takes 3273 draws (it stopped that run when the give-up point was a fixed 100 x
+    batch_size = 3200); the give-up point scales with the length's share. A length no example
+    needs is still refused, naming the token range."""
+    from mbd_jax.train.config import load_train_config
+    from mbd_jax.train.trainer import length_shares
+
+    model = load_model("tiny-bd", with_weights=False)
+    t = load_train_config(ROOT / "configs" / "train" / "tiny-bd.yaml")
+    shares = length_shares(t, model.cfg, model.tokenizer)
+    assert t.lengths()[-1] == 160 and shares[-1] < 0.02
+    batch = batch_for_step(t, model.cfg, model.tokenizer, 324, shares)
+    assert batch.clean.shape == (t.batch_size, 160)
+    eos = model.cfg.eos_token_ids[0]
+    for row in np.asarray(batch.clean):  # every example needs more than 128 tokens
+        assert len(row) - (np.cumprod((row == eos)[::-1]).sum() - 1) > 128
+    short = dataclasses.replace(t, tasks=("sort",), length_buckets=(128,))
+    with pytest.raises(UserError, match=r"seq_len 160: too few sort examples need 129-160 tokens"):
+        batch_for_step(short, model.cfg, model.tokenizer, 0, np.array([0.0, 1.0]))

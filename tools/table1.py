@@ -4,8 +4,9 @@
                            [--bd tiny-bd] [--mbd tiny-mbd] > run.json
     python tools/table1.py --plot-from run.json --plot docs/table1.png   # redraw, no run
 
-Rows: SingleBD (the BD model, N_buf 1), training-free MultiBD (the BD model, N_buf 2), MBD (the
-MultiTF model, N_buf 2), MBD with the edit sampling mode, with the factor policy and with the
+Rows: SingleBD (the BD model, N_buf 1), training-free MultiBD (the BD model, N_buf N), MBD (the
+MultiTF model, N_buf N; N: --buffer-size, default the G_max the MultiTF model was trained with,
+from its manifest, as the paper decodes with N_buf = G_max), MBD with the edit sampling mode, with the factor policy and with the
 thinking switch on (the same questions; the answer after the worked trace is checked, and the
 trace's tokens count as output), and the MultiTF model with SingleBD for reference. Columns: accuracy, TPF, tokens/s per task and pooled
 over every task's held-out split (`limit` prompts per task, the chat format). The main table
@@ -24,15 +25,25 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+MULTI = 0  # in ROWS: the MultiBD buffer (--buffer-size)
 ROWS = [  # (label, which model, N_buf, decode settings beyond the threshold policy's, format)
     ("SingleBD", "bd", 1, {}, "chat"),
-    ("training-free MultiBD", "bd", 2, {}, "chat"),
-    ("MBD (MultiTF + MultiBD)", "mbd", 2, {}, "chat"),
-    ("MBD, edit mode", "mbd", 2, {"sampling_mode": "edit"}, "chat"),
-    ("MBD, factor policy", "mbd", 2, {"policy": "factor", "factor": 1.0}, "chat"),
-    ("MBD, thinking on", "mbd", 2, {}, "thinking"),
+    ("training-free MultiBD", "bd", MULTI, {}, "chat"),
+    ("MBD (MultiTF + MultiBD)", "mbd", MULTI, {}, "chat"),
+    ("MBD, edit mode", "mbd", MULTI, {"sampling_mode": "edit"}, "chat"),
+    ("MBD, factor policy", "mbd", MULTI, {"policy": "factor", "factor": 1.0}, "chat"),
+    ("MBD, thinking on", "mbd", MULTI, {}, "thinking"),
     ("MultiTF model, SingleBD", "mbd", 1, {}, "chat"),
 ]
+
+
+def trained_g_max(model) -> int | None:
+    """The G_max a trained model's MultiTF stage used (its manifest), None if not recorded."""
+    manifest = model.path.parent / "manifest.json"
+    if not manifest.exists():
+        return None
+    train = json.loads(manifest.read_text()).get("train_config") or {}
+    return train.get("g_max") if train.get("objective") == "multitf" else None
 
 
 def main() -> None:
@@ -51,6 +62,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--bd", default="tiny-bd", help="the block-diffusion (SingleBD) model")
     ap.add_argument("--mbd", default="tiny-mbd", help="the MultiTF post-trained model")
+    ap.add_argument("--buffer-size", type=int,
+                    help="N_buf of the MultiBD rows (default: the --mbd model's trained G_max)")
     ap.add_argument("--plot", help="write the accuracy-vs-TPF plot here (PNG)")
     ap.add_argument("--plot-from", metavar="RUN.json",
                     help="no run: draw --plot from a run's saved JSON (this tool's stdout)")
@@ -71,10 +84,15 @@ def main() -> None:
         return
     thresholds = sorted({float(t) for t in args.thresholds.split(",")} | {args.main_threshold})
 
+    if args.buffer_size is not None and args.buffer_size < 2:
+        ap.error(f"--buffer-size must be >= 2 (MultiBD), got {args.buffer_size}")
     models = {"bd": load_model(args.bd), "mbd": load_model(args.mbd)}
+    multi = args.buffer_size or trained_g_max(models["mbd"]) or 2
+    print(f"MultiBD rows: N_buf {multi}", file=sys.stderr)
     names = list(tasks.TASKS)
     out = []
     for label, which, n_buf, extra, fmt in ROWS:
+        n_buf = multi if n_buf == MULTI else n_buf
         model = models[which]
         engine = Engine(model.cfg, model.params, batch_size=args.batch_size, buffer_size=n_buf,
                         tokenizer=model.tokenizer)

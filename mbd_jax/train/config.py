@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -29,6 +30,9 @@ class TrainConfig:
     # The question formats' relative weights (chat, system, multiturn, raw; a format left out is
     # never drawn). None: tasks.FORMAT_WEIGHTS.
     format_weights: dict[str, float] | None = None
+    # Raw-format replies start with tasks.RAW_ANSWER_PREFIX ("Answer:"): the only mark of where a
+    # raw answer begins (train/tasks.py). False: the bare answer (the stages before it).
+    raw_answer_prefix: bool = False
     # Token-to-token training for the edit sampling mode: each unmasked answer position of a noisy
     # block becomes a random token with this probability, and the loss also covers every unmasked
     # answer position (keep a right token, restore a wrong one). 0: masked positions only.
@@ -104,6 +108,13 @@ class TrainConfig:
         _check(self.data_parallel == -1 or self.data_parallel >= 1, where,
                "field 'data_parallel' must be >= 1 or -1 (all devices)")
 
+    def run_fields(self) -> dict[str, Any]:
+        """The fields that define what a run trains (JSON values): a checkpoint resumes only
+        under a config that agrees on all of them (RESUMABLE_FIELDS may change)."""
+        return json.loads(json.dumps({f.name: getattr(self, f.name)
+                                      for f in dataclasses.fields(self)
+                                      if f.name not in RESUMABLE_FIELDS}))
+
     def lengths(self) -> tuple[int, ...]:
         """Every row length a step may use, ascending (length_buckets, then seq_len)."""
         return (*self.length_buckets, self.seq_len)
@@ -114,6 +125,12 @@ class TrainConfig:
     def path(self, p: str) -> pathlib.Path:
         q = pathlib.Path(p)
         return q if q.is_absolute() else REPO_ROOT / q
+
+
+# What a resumed run may change: where it writes, how often it logs and saves, how far it goes.
+RESUMABLE_FIELDS = frozenset({"name", "model", "output", "steps", "stop_at", "checkpoint_dir",
+                              "checkpoint_every", "keep_checkpoints", "log_every",
+                              "data_parallel"})
 
 
 def parse_overrides(pairs: Sequence[str], where: str = "--set") -> dict[str, Any]:

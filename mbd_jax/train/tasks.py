@@ -23,6 +23,12 @@ system line first), `multiturn` (an earlier, answered question before it; someti
 line too) and `raw` (the bare question with no template: `/v1/completions`, `/generate`).
 Training mixes them by FORMAT_WEIGHTS; eval asks for one.
 
+A raw question has no turn marker, and in a diffusion canvas an answer token once unmasked looks
+like one more item of the question's list (`Reverse: a b c` + `c` reads `Reverse: a b c c`), so
+the model cannot tell where its answer began. With `raw_answer_prefix` a raw reply starts with
+RAW_ANSWER_PREFIX (`Sort: 3 1 2` -> `Answer: 1 2 3`), which marks it; `is_correct` reads the
+answer after it.
+
 A fifth format, `thinking`, is a chat turn with the thinking switch on: the prompt opens a
 thinking section and the reply is a short worked trace, `</think>`, then the answer. Only arith
 and sortrev have a trace that does work (the digit columns with their carries or borrows; the
@@ -63,6 +69,8 @@ SYSTEM_PROMPTS = (
 FORMAT_WEIGHTS = {"chat": 0.45, "system": 0.2, "multiturn": 0.2, "raw": 0.15}
 # Every format eval can ask for: `thinking` enters training only by a config's thinking_share.
 FORMATS = (*FORMAT_WEIGHTS, "thinking")
+# What a raw reply writes before its answer where a config asks (raw_answer_prefix).
+RAW_ANSWER_PREFIX = "Answer:"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,15 +80,21 @@ class Example:
     answer: str  # the exact expected answer
     format: str = "chat"
     reasoning: str | None = None  # the worked trace before THINK_END (format `thinking` only)
+    prefix: str = ""  # what the reply writes before the answer (RAW_ANSWER_PREFIX, or nothing)
 
     @property
     def reply(self) -> str:
         """The text the model is trained to write after the prompt."""
-        return self.answer if self.reasoning is None else f"{self.reasoning}{THINK_END} {self.answer}"
+        answer = f"{self.prefix} {self.answer}" if self.prefix else self.answer
+        return answer if self.reasoning is None else f"{self.reasoning}{THINK_END} {answer}"
 
     def is_correct(self, reply: str) -> bool:
-        """Exact match of the answer (of a thinking reply: the part after THINK_END)."""
-        return (reply if self.reasoning is None else split_reasoning(reply)[1]).strip() == self.answer
+        """Exact match of the answer (of a thinking reply: the part after THINK_END; of a raw
+        one: the part after RAW_ANSWER_PREFIX where it starts with one)."""
+        text = (reply if self.reasoning is None else split_reasoning(reply)[1]).strip()
+        if self.format == "raw":
+            text = text.removeprefix(RAW_ANSWER_PREFIX).strip()
+        return text == self.answer
 
 
 class Problem(NamedTuple):
@@ -189,11 +203,12 @@ def render_example(question: str, fmt: str, rng: np.random.Generator,
 
 def examples(tasks: list[str] | tuple[str, ...], seed, split: str = "train",
              fmt: str | None = None, thinking_share: float = 0.0,
-             format_weights: dict[str, float] | None = None) -> Iterator[Example]:
+             format_weights: dict[str, float] | None = None,
+             raw_answer_prefix: bool = False) -> Iterator[Example]:
     """An endless, deterministic stream of examples, tasks in turn, from `split`, in format
     `fmt` (None: `thinking` with probability thinking_share, else drawn by format_weights,
     default FORMAT_WEIGHTS; a share of 0 draws nothing for it, so the stream is the one made
-    before the format existed)."""
+    before the format existed). raw_answer_prefix: raw replies start with RAW_ANSWER_PREFIX."""
     check_tasks(tasks)
     if split not in ("train", "heldout"):
         raise UserError(f"split: must be 'train' or 'heldout', got {split!r}")
@@ -212,7 +227,8 @@ def examples(tasks: list[str] | tuple[str, ...], seed, split: str = "train",
             f = fmt or ("thinking" if thinking_share and rng.random() < thinking_share else
                         names[int(rng.choice(len(names), p=weights / weights.sum()))])
             yield Example(task, render_example(question, f, rng, tasks), answer, f,
-                          trace if f == "thinking" else None)
+                          trace if f == "thinking" else None,
+                          RAW_ANSWER_PREFIX if raw_answer_prefix and f == "raw" else "")
 
 
 def heldout(task: str, n: int, seed: int = 1234, fmt: str = "chat") -> list[Example]:

@@ -39,6 +39,8 @@ from mbd_jax.tokenizer import Tokenizer
 from mbd_jax.train import objective, tasks
 from mbd_jax.train.config import TrainConfig
 
+RUN_FIELDS_FILE = "train_config.json"  # in a checkpoint_dir: TrainConfig.run_fields of its run
+
 Progress = Literal["bar", "log", "none"]  # how fit shows its steps
 
 
@@ -51,7 +53,8 @@ def encode(tokenizer: Tokenizer, ex: tasks.Example, eos: int) -> tuple[list[int]
 def example_stream(tcfg: TrainConfig, seed) -> Iterator[tasks.Example]:
     """The config's training examples (its tasks, thinking share and formats) from `seed`."""
     return tasks.examples(tcfg.tasks, seed=seed, thinking_share=tcfg.thinking_share,
-                          format_weights=tcfg.format_weights)
+                          format_weights=tcfg.format_weights,
+                          raw_answer_prefix=tcfg.raw_answer_prefix)
 
 
 def length_shares(tcfg: TrainConfig, cfg: ModelConfig, tokenizer: Tokenizer, n: int = 2000
@@ -82,6 +85,9 @@ def batch_for_step(tcfg: TrainConfig, cfg: ModelConfig, tokenizer: Tokenizer, st
         pick = int(np.random.default_rng((tcfg.seed, step, 2)).choice(len(lengths), p=shares))
     lo = lengths[pick - 1] if pick > 0 and shares is not None else 0
     hi = lengths[pick]
+    # A length's examples are this share of the stream: a rare one (the longest rows) takes
+    # many draws, so the give-up point scales with it (about 100x the draws it needs).
+    share = float(shares[pick]) if shares is not None and len(lengths) > 1 else 1.0
     stream = example_stream(tcfg, seed=(tcfg.seed, step))
     rows: list[tuple[np.ndarray, int]] = []
     for draws, ex in enumerate(stream):
@@ -90,9 +96,10 @@ def batch_for_step(tcfg: TrainConfig, cfg: ModelConfig, tokenizer: Tokenizer, st
             rows.append((np.array(ids + [eos] * (hi - len(ids)), np.int32), n_prompt))
             if len(rows) == tcfg.batch_size:
                 break
-        if draws > 100 * tcfg.batch_size:
-            raise UserError(f"seq_len {hi}: too few {', '.join(tcfg.tasks)} examples fit (e.g. "
-                            f"a {ex.task} example of {len(ids)} tokens); raise seq_len")
+        if draws > 100 * tcfg.batch_size / share:
+            raise UserError(f"seq_len {hi}: too few {', '.join(tcfg.tasks)} examples need "
+                            f"{lo + 1}-{hi} tokens ({len(rows)} in {draws} draws); "
+                            f"raise seq_len" + (" or drop the length bucket" if lo else ""))
     rng = np.random.default_rng((tcfg.seed, step, 1))
     return objective.make_batch(rows, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
                                 edit_share=tcfg.edit_share, vocab_size=cfg.vocab_size,
@@ -226,10 +233,13 @@ class Trainer:
         return int(self.state["step"])
 
     def restore(self) -> bool:
-        """Loads the latest checkpoint, if there is one; True when it did."""
+        """Loads the latest checkpoint, if there is one; True when it did. A checkpoint written
+        under a config that trains something else (TrainConfig.run_fields) is refused."""
         if self._manager is None or self._manager.latest_step() is None:
             return False
         import orbax.checkpoint as ocp
+
+        self._check_run_fields()
 
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                                 self.state)
@@ -241,7 +251,30 @@ class Trainer:
         import orbax.checkpoint as ocp
 
         if self._manager is not None:
+            from mbd_jax.parallel import multihost
+
+            record = self._run_fields_path()
+            if multihost.is_leader() and not record.exists():
+                record.parent.mkdir(parents=True, exist_ok=True)
+                record.write_text(json.dumps(self.tcfg.run_fields(), indent=1) + "\n")
             self._manager.save(self.step, args=ocp.args.StandardSave(self.state), force=True)
+
+    def _run_fields_path(self) -> pathlib.Path:
+        """Where a checkpoint directory records the config that wrote it."""
+        return self.tcfg.path(self.tcfg.checkpoint_dir) / RUN_FIELDS_FILE
+
+    def _check_run_fields(self) -> None:
+        record = self._run_fields_path()
+        if not record.exists():  # written before the record existed: nothing to compare
+            return
+        saved, now = json.loads(record.read_text()), self.tcfg.run_fields()
+        diff = [f"{k}: {saved.get(k)!r} there, {now.get(k)!r} here"
+                for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+        if diff:
+            raise UserError(
+                f"checkpoint_dir {self.tcfg.checkpoint_dir} holds a run of another config "
+                f"({'; '.join(diff)}); resuming would mix the two: pass another --checkpoint-dir "
+                "(or remove that one to start over)")
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step on the batch of the current step; returns its metrics."""
