@@ -1,8 +1,9 @@
 """The trained models shipped in models/: they load (checksums verified), tiny-mbd is the default,
 SingleBD reaches a floor on every task's held-out prompts, MBD keeps that accuracy at a higher
 TPF, every way a question reaches the service works (chat, a system line, a second turn, raw
-text), the edit mode keeps the answers, tiny-bd's thinking switch writes a worked trace, and the
-README's demos answer what the README shows.
+text; and through a real `mbd-jax serve`: completions, /generate, a streamed chat), the edit
+mode keeps the answers, tiny-bd's thinking switch writes a worked trace, and the README's demos
+answer what the README shows.
 
 The floors come from the same fixed samples measured on the shipped pair (20 prompts per task,
 8 per task for the other formats), rounded down with margin. Issue 18 asks for 95% on every
@@ -227,3 +228,38 @@ def test_eval_command(tmp_path):
     assert out["buffer_size"] == 2 and out["format"] == "raw" and 0.0 <= out["accuracy"] <= 1.0
     assert out["tpf"] == pytest.approx(out["tokens"] / out["nfe"])  # eval's tokens: with EOS
     assert out["tokens_per_s"] > 0
+
+
+def test_every_service_path_answers_on_the_default_model(tmp_path):
+    """`mbd-jax serve` on the shipped default model with configs/serve.yaml's decoding, over real
+    HTTP with the official openai client: raw text through /v1/completions and /generate (the
+    model writes `Answer:` first), a streamed chat with a system line and an earlier turn."""
+    import httpx
+    import openai
+    import yaml
+
+    from tests.live_server import KEY, Server
+
+    decoding = yaml.safe_load((ROOT / "configs" / "serve.yaml").read_text())["decoding"]
+    srv = Server(tmp_path, [KEY], sections={"model": "tiny-mbd", "decoding": decoding})
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        r = c.completions.create(model="tiny-mbd", max_tokens=48,
+                                 prompt=["Sort: 9 1 8 2 7 3 6 4 5 0 9 1", "Reverse: k d a q"])
+        assert [ch.text.strip() for ch in sorted(r.choices, key=lambda ch: ch.index)] == [
+            "Answer: 0 1 1 2 3 4 5 6 7 8 9 9", "Answer: q a d k"]
+        r = httpx.post(srv.url + "/generate", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"segments": ["Sort and reverse: 7 2 9 4", "Recall k in: a=1 k=7 z=2"],
+                             "max_new_tokens": 48}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert [t.strip() for t in r.json()["output"]] == ["Answer: 9 7 4 2", "Answer: k=7"]
+        messages = [{"role": "system", "content": "You are a helpful assistant."},
+                    {"role": "user", "content": "Sort: 8 3 5"},
+                    {"role": "assistant", "content": "3 5 8"},
+                    {"role": "user", "content": "Reverse: p k z w"}]
+        stream = c.chat.completions.create(model="tiny-mbd", messages=messages, max_tokens=48,
+                                           stream=True)
+        assert "".join(ch.choices[0].delta.content or "" for ch in stream
+                       if ch.choices).strip() == "w z k p"
+    finally:
+        srv.stop()
