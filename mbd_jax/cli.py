@@ -18,6 +18,19 @@ from mbd_jax.parallel import multihost
 DEFAULT_MODEL = "tiny-mbd"  # trained on the task suite, shipped in models/
 
 
+def int_at_least(low: int):
+    """An argparse type: an integer >= low (a bad value is argparse's usage error, exit 2)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
 def _add_decode_flags(p: argparse.ArgumentParser, buffer_size_list: bool = False) -> None:
     import typing
 

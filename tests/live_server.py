@@ -104,6 +104,14 @@ class Server:
             time.sleep(0.5)
         raise TimeoutError("server not ready")
 
+    def openai_client(self, key: str = KEY, **kw):
+        """The official openai client on this server's data port (no retries: a test sees every
+        error)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120,
+                             **kw)
+
     def metrics(self) -> dict[str, float]:
         text = httpx.get(self.admin + "/metrics", timeout=10).text
         out = {}

@@ -174,3 +174,21 @@ def test_generate_chat_uses_the_model_directorys_own_template(tmp_path):
     tok = load_model("tiny-mbd", with_weights=False).tokenizer
     assert rows[0]["prompt_tokens"] == len(tok.encode("Q: Sort: 3 1 2\nA:")) != len(tok.encode(
         chat.render([{"role": "user", "content": "Sort: 3 1 2"}])))
+
+
+@pytest.mark.parametrize("tool, args, message", [
+    ("compare_models.py", ["--models", "tiny-mbd", "--batch-size", "0"],
+     "argument --batch-size: must be >= 1, got 0"),
+    ("compare_models.py", ["--models", "tiny-mbd", "--buffer-size", "2,x"], "--buffer-size"),
+    ("compare_models.py", ["--models", "tiny-mbd", "--threshold", "1.5"], "accept_threshold"),
+    ("table1.py", ["--buffer-size", "1"], "argument --buffer-size: must be >= 2, got 1"),
+    ("tpf_by_length.py", ["--runs", "tiny-mbd:2", "--batch-size", "two"],
+     "argument --batch-size: expected an integer, got 'two'"),
+])
+def test_eval_tools_refuse_bad_sizes_before_loading_a_model(tool, args, message):
+    """The measuring tools name a bad size or threshold and exit 2, without a traceback (a bad
+    --batch-size was a UserError traceback after the model had loaded)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / tool), *args], capture_output=True,
+                       text=True, cwd=ROOT, env=env, timeout=120)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -50,7 +50,7 @@ def offline():
 
 
 def client(server, key=KEY) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
+    return server.openai_client(key)
 
 
 def test_openai_client_matches_offline_generate(server, offline):
@@ -418,7 +418,7 @@ def test_generate_keeps_finished_segments_when_others_time_out(tmp_path):
                        "--max-model-len", "512"),
                  env={"MBD_SERVER_MAX_BATCH_SIZE": "1"})
     try:
-        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="flag-key", max_retries=0)
+        c = srv.openai_client("flag-key")
         assert [m.id for m in c.models.list().data] == ["my-model"]
         assert c.models.retrieve("my-model").model_extra["max_model_len"] == 512
         assert c.completions.create(model="my-model", prompt="hi", max_tokens=2).choices
@@ -641,8 +641,7 @@ def test_https_on_the_data_port_and_plain_http_refused_there(tmp_path, offline):
     secret = "Sort: 3 1 2 zebra-7781"
     try:
         assert s.url.startswith("https://")
-        c = openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0, timeout=120,
-                          http_client=httpx.Client(verify=s.verify))
+        c = s.openai_client(http_client=httpx.Client(verify=s.verify))
         (want,) = offline([offline.tokenizer.encode(secret)], max_new_tokens=12)
         r = c.completions.create(model="tiny-test", prompt=secret, max_tokens=12)
         assert r.choices[0].text == want.text

@@ -235,7 +235,6 @@ def test_every_service_path_answers_on_the_default_model(tmp_path):
     HTTP with the official openai client: raw text through /v1/completions and /generate (the
     model writes `Answer:` first), a streamed chat with a system line and an earlier turn."""
     import httpx
-    import openai
     import yaml
 
     from tests.live_server import KEY, Server
@@ -243,7 +242,7 @@ def test_every_service_path_answers_on_the_default_model(tmp_path):
     decoding = yaml.safe_load((ROOT / "configs" / "serve.yaml").read_text())["decoding"]
     srv = Server(tmp_path, [KEY], sections={"model": "tiny-mbd", "decoding": decoding})
     try:
-        c = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        c = srv.openai_client()
         r = c.completions.create(model="tiny-mbd", max_tokens=48,
                                  prompt=["Sort: 9 1 8 2 7 3 6 4 5 0 9 1", "Reverse: k d a q"])
         assert [ch.text.strip() for ch in sorted(r.choices, key=lambda ch: ch.index)] == [

@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 def main() -> None:
     from mbd_jax.checkpoint import load_model
+    from mbd_jax.cli import int_at_least
     from mbd_jax.engine import Engine
     from mbd_jax.errors import UserError
     from mbd_jax.evaluate import evaluate_tasks, pool, table1_decode, task_names
@@ -38,7 +39,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=20, help="held-out prompts per task")
     ap.add_argument("--tasks", default="all",
                     help=f"comma-separated: {', '.join(tasks.TASKS)}; or all (default)")
-    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--batch-size", type=int_at_least(1), default=16)
     for flag in ("threshold", "semi-complete-threshold", "add-block-threshold"):
         ap.add_argument(f"--{flag}", help="comma-separated values (default: table1_decode's)")
     args = ap.parse_args()

@@ -48,6 +48,7 @@ def trained_g_max(model) -> int | None:
 
 def main() -> None:
     from mbd_jax.checkpoint import load_model
+    from mbd_jax.cli import int_at_least
     from mbd_jax.engine import Engine
     from mbd_jax.evaluate import evaluate_tasks, pool, table1_decode
     from mbd_jax.train import tasks
@@ -59,10 +60,10 @@ def main() -> None:
     ap.add_argument("--add-block-threshold", type=float, help="default: evaluate.table1_decode's")
     ap.add_argument("--semi-complete-threshold", type=float, help="default: table1_decode's")
     ap.add_argument("--max-new-tokens", type=int, help="default: table1_decode's")
-    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--batch-size", type=int_at_least(1), default=16)
     ap.add_argument("--bd", default="tiny-bd", help="the block-diffusion (SingleBD) model")
     ap.add_argument("--mbd", default="tiny-mbd", help="the MultiTF post-trained model")
-    ap.add_argument("--buffer-size", type=int,
+    ap.add_argument("--buffer-size", type=int_at_least(2),
                     help="N_buf of the MultiBD rows (default: the --mbd model's trained G_max)")
     ap.add_argument("--plot", help="write the accuracy-vs-TPF plot here (PNG)")
     ap.add_argument("--plot-from", metavar="RUN.json",
@@ -84,8 +85,6 @@ def main() -> None:
         return
     thresholds = sorted({float(t) for t in args.thresholds.split(",")} | {args.main_threshold})
 
-    if args.buffer_size is not None and args.buffer_size < 2:
-        ap.error(f"--buffer-size must be >= 2 (MultiBD), got {args.buffer_size}")
     models = {"bd": load_model(args.bd), "mbd": load_model(args.mbd)}
     multi = args.buffer_size or trained_g_max(models["mbd"]) or 2
     print(f"MultiBD rows: N_buf {multi}", file=sys.stderr)

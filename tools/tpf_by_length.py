@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 def main() -> None:
     from mbd_jax.checkpoint import load_model
+    from mbd_jax.cli import int_at_least
     from mbd_jax.engine import Engine
     from mbd_jax.errors import UserError
     from mbd_jax.evaluate import table1_decode, task_names
@@ -30,7 +31,7 @@ def main() -> None:
     ap.add_argument("--tasks", default="sort,sortrev,reverse",
                     help=f"comma-separated: {', '.join(tasks.TASKS)}; or all")
     ap.add_argument("--limit", type=int, default=60, help="held-out prompts per task")
-    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--batch-size", type=int_at_least(1), default=16)
     args = ap.parse_args()
     try:
         names = task_names(args.tasks, args.limit, where="--tasks")
