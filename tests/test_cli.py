@@ -184,6 +184,7 @@ def test_generate_chat_uses_the_model_directorys_own_template(tmp_path):
     ("table1.py", ["--buffer-size", "1"], "argument --buffer-size: must be >= 2, got 1"),
     ("tpf_by_length.py", ["--runs", "tiny-mbd:2", "--batch-size", "two"],
      "argument --batch-size: expected an integer, got 'two'"),
+    ("window_widths.py", ["--batch-size", "1", "0"], "argument --batch-size: must be >= 1, got 0"),
 ])
 def test_eval_tools_refuse_bad_sizes_before_loading_a_model(tool, args, message):
     """The measuring tools name a bad size or threshold and exit 2, without a traceback (a bad

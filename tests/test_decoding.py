@@ -73,33 +73,29 @@ def test_a_finished_row_stops_setting_the_attention_length(engine4):
     assert meta.write.tolist() == [False, False, True, False]
 
 
-@pytest.mark.parametrize("first_block_only", [False, True])
-def test_a_one_slot_step_computes_the_first_block_alone_with_the_same_result(
-        cfg, params, engine4, first_block_only):
-    """While every live row has one valid slot, the loop's narrow step forwards only the first
-    block. It leaves the state as the full-window step does, and a cache that the following
-    steps read alike (the DUMMY slot's entries are past every visible length: later forwards
-    write them before anything reads them)."""
-    decode = DecodeConfig(max_new_tokens=20, buffer_size=2, add_block_threshold=0.5)
-    state = engine4.admit(engine4.empty_state(), {1: (PROMPTS[1], decode), 3: (PROMPTS[2], decode)})
-    assert bool(loop.one_slot(state))
-    apply_fn = Transformer(cfg, engine4.mesh).apply
-    step = jax.jit(lambda s, kv, narrow: loop.decode_step(
-        engine4.params, s, kv, apply_fn=apply_fn, cfg=cfg, n_slots=2, first_block_only=narrow),
+def test_a_step_forwards_only_the_slots_in_use_with_the_same_result(cfg, params):
+    """The loop's narrow steps forward only the first `slots_in_use` blocks of a 3-block buffer
+    (one while a row's next block has not opened, two, then three). Step by step they leave the
+    state the full-window step leaves, and a cache the following steps read alike (the DUMMY
+    slots' entries are past every visible length: later forwards write them before anything
+    reads them)."""
+    eng = Engine(cfg, params, batch_size=4, buffer_size=3, prefill_chunk=32)
+    decode = DecodeConfig(max_new_tokens=40, buffer_size=3, add_block_threshold=0.0)
+    state = eng.admit(eng.empty_state(), {1: (PROMPTS[1], decode), 3: (PROMPTS[2], decode)})
+    apply_fn = Transformer(cfg, eng.mesh).apply
+    step = jax.jit(lambda s, kv, k: loop.decode_step(
+        eng.params, s, kv, apply_fn=apply_fn, cfg=cfg, n_slots=3, compute_slots=k),
         static_argnums=2)
-    runs = []
-    for narrow in (False, first_block_only):
-        s, kv = step(state, engine4.kv, narrow)
-        trace = [s]
-        for _ in range(6):  # full-window steps from there: they read what the first one wrote
-            s, kv = step(s, kv, False)
-            trace.append(s)
-        runs.append(jax.device_get(trace))
-    assert max(int(t.n_valid.max()) for t in runs[0]) == 2  # MultiBD followed the first step
-    for want, got in zip(*runs):
+    full = narrow = (state, eng.kv)
+    widths = []
+    for _ in range(12):
+        widths.append(int(loop.slots_in_use(narrow[0])))
+        full, narrow = step(*full, None), step(*narrow, widths[-1])
+        want, got = jax.device_get(full[0]), jax.device_get(narrow[0])
         for name in ("canvas", "n_valid", "n_to_cache", "cached_len", "n_unmasked", "done"):
             np.testing.assert_array_equal(getattr(got, name), getattr(want, name), name)
         np.testing.assert_allclose(got.logprob, want.logprob, atol=1e-5)
+    assert {1, 2, 3} <= set(widths), widths
 
 
 def test_warm_engine_compiles_nothing_new(engine4):

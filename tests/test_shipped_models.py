@@ -7,7 +7,8 @@ answer what the README shows.
 
 The floors come from the same fixed samples measured on the shipped pair (20 prompts per task,
 8 per task for the other formats), rounded down with margin. Issue 18 asks for 95% on every
-task: recall is not there yet (95% on this sample, 81-90% on 20-150 per task elsewhere).
+task: recall is not there yet (85% on this sample, 82% on 100: one-key questions are all right,
+two-key ones about 65%, docs/training.md).
 """
 
 from __future__ import annotations
@@ -33,17 +34,17 @@ from mbd_jax.train import tasks
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LIMIT = 20  # held-out prompts per task in the chat format (140 in all)
 FORMAT_LIMIT = 8  # per task, for each other format
-# SingleBD (tiny-bd, N_buf 1) per task; measured 100 on every task but arith and recall (95)
-ACCURACY_FLOORS = {"arith": 0.9, "sort": 0.9, "reverse": 0.9, "recall": 0.8, "sortrev": 0.9,
-                   "longsort": 0.9, "longreverse": 0.9}
+# SingleBD (tiny-bd, N_buf 1) per task; measured 100 on every task but recall (85)
+ACCURACY_FLOORS = {"arith": 0.95, "sort": 0.95, "reverse": 0.95, "recall": 0.8, "sortrev": 0.95,
+                   "longsort": 0.95, "longreverse": 0.95}
 # the default model (MBD), pooled over the tasks; measured at 8 per task: system 96.4, multiturn
-# 78.6 (the long lists after an earlier turn: docs/training.md), raw 85.7 (27 before raw replies
-# were marked `Answer:`), thinking 89.3
-FORMAT_FLOORS = {"system": 0.85, "multiturn": 0.7, "raw": 0.7, "thinking": 0.8}
-TPF_GAIN_FLOOR = 1.45  # MBD (tiny-mbd, N_buf 2) over SingleBD, pooled (measured 1.62)
+# 78.6 (the long lists after an earlier turn: docs/training.md), raw 89.3 (27 before raw replies
+# were marked `Answer:`), thinking 91.1
+FORMAT_FLOORS = {"system": 0.85, "multiturn": 0.7, "raw": 0.8, "thinking": 0.85}
+TPF_GAIN_FLOOR = 1.45  # MBD (tiny-mbd, N_buf 2) over SingleBD, pooled (measured 1.59)
 EDIT_FLOOR = 0.85  # MBD in the edit sampling mode, pooled (measured 96.4; 97.9 without it)
 # tiny-bd (SingleBD) with the thinking switch on, pooled; measured 96.4
-THINKING_FLOOR = 0.8
+THINKING_FLOOR = 0.85
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +93,8 @@ def test_every_task_single_bd_floor_and_mbd_keeps_it_at_a_higher_tpf(engines):
         assert r.accuracy >= ACCURACY_FLOORS[r.task], (r.task, r.accuracy, r.wrong)
 
     single, mbd = pool(reports["single"]), pool(reports["mbd"])
-    # not below SingleBD, but for a prompt or two: measured 137 against 138 of 140 (a long sort,
-    # in this pair and the one before it)
+    # not below SingleBD, but for a prompt or two: measured 137 against 137 of 140 (137 against
+    # 138 in the two pairs before: a long sort)
     assert mbd["correct"] >= single["correct"] - 2, [(r.task, r.accuracy) for r in reports["mbd"]]
     assert mbd["tpf"] >= TPF_GAIN_FLOOR * single["tpf"], (single["tpf"], mbd["tpf"])
     # TPF counts the output up to and including EOS (the paper's), not tokens unmasked past it
@@ -142,7 +143,7 @@ def test_edit_mode_keeps_the_answers(engines):
 def test_tiny_bd_thinks_before_it_answers(engines):
     """With the thinking switch on, tiny-bd writes the trace it was trained on (sortrev: the
     sorted list, then the answer) and answers held-out questions after it (96% of this sample,
-    99% without the switch on the chat sample)."""
+    98% without the switch on the chat sample)."""
     model, engine = engines["single"]
     r = evaluate(model, "all", table1_decode(1), limit=FORMAT_LIMIT, engine=engine, fmt="thinking")
     assert r.accuracy >= THINKING_FLOOR, (r.accuracy, r.wrong)

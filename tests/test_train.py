@@ -318,14 +318,14 @@ def test_the_shipped_training_configs_load_and_chain():
     stages = [line.split("--config configs/train/")[1].split()[0]
               for line in make.splitlines() if "train --config configs/train/" in line]
     assert stages == ["recall-lookup.yaml", "recall-then-mix.yaml", "recall-then-mix-arith.yaml",
-                      "mix-low-lr.yaml", "mix-arith.yaml", "long-lists.yaml", "tiny-bd.yaml",
-                      "tiny-mbd.yaml"]
+                      "mix-low-lr.yaml", "mix-arith.yaml", "long-lists.yaml", "raw-marked.yaml",
+                      "tiny-bd.yaml", "tiny-mbd.yaml"]
     for i, stage in enumerate(stages[1:-1], 1):  # each trains on from the stage before it
         assert configs[stage].path(configs[stage].model) == configs[stages[i - 1]].output_dir()
 
 
 def test_a_rare_row_length_still_fills_its_batch():
-    """The longest rows of the shipped tiny-bd stage are 1.3% of its examples: step 324's batch
+    """The longest rows of the raw-marked stage are 1.3% of its examples: step 324's batch
     of them takes 3273 draws (it stopped that run when the give-up point was a fixed 100 x
     batch_size = 3200); the give-up point scales with the length's share. A length no example
     needs is still refused, naming the token range."""
@@ -333,7 +333,7 @@ def test_a_rare_row_length_still_fills_its_batch():
     from mbd_jax.train.trainer import length_shares
 
     model = load_model("tiny-bd", with_weights=False)
-    t = load_train_config(ROOT / "configs" / "train" / "tiny-bd.yaml")
+    t = load_train_config(ROOT / "configs" / "train" / "raw-marked.yaml")
     shares = length_shares(t, model.cfg, model.tokenizer)
     assert t.lengths()[-1] == 160 and shares[-1] < 0.02
     batch = batch_for_step(t, model.cfg, model.tokenizer, 324, shares)

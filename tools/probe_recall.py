@@ -8,7 +8,9 @@ EOS (padded to whole blocks) predicts the answer's value digits in two views: `v
 response position masked: the key must come from the question). Accuracy near 1/10 means no
 lookup at all (a digit at chance); near 1/(pairs) means a value of the prompt but not the asked
 one. Decoding plays no part, so this separates the model's lookup from the sampler's order.
-Prints JSON (stdout) and a table (stderr).
+Beside it, by the answer's first and second value (two-key questions have a second), the
+values-masked accuracy, and the share of questions a SingleBD decode (Table 1's decoding) gets
+right. Prints JSON (stdout) and a table (stderr).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ def probe(model: str, limit: int) -> dict:
     import numpy as np
 
     from mbd_jax.checkpoint import load_model
+    from mbd_jax.engine import Engine
+    from mbd_jax.evaluate import table1_decode
     from mbd_jax.model.forward_meta import ForwardMeta
     from mbd_jax.model.transformer import Transformer, block_causal_mask
     from mbd_jax.train import tasks
@@ -46,8 +50,10 @@ def probe(model: str, limit: int) -> dict:
         return jnp.argmax(logits, -1)
 
     right = {"values_masked": [], "answer_masked": []}
-    questions = tasks.examples(["recall"], seed=1, split="heldout", fmt="chat")
-    for ex in itertools.islice(questions, limit):
+    by_value: list[list[bool]] = [[], []]  # values masked: the answer's first, second value
+    questions = list(itertools.islice(
+        tasks.examples(["recall"], seed=1, split="heldout", fmt="chat"), limit))
+    for ex in questions:
         ids, prompt_len = encode(tok, ex, eos)
         length = -(-len(ids) // block) * block
         ids = np.array(ids + [eos] * (length - len(ids)), np.int32)
@@ -59,8 +65,22 @@ def probe(model: str, limit: int) -> dict:
         pred = np.asarray(predict(m.params, jnp.asarray(views)))
         right["values_masked"] += [bool(pred[0, i] == ids[i]) for i in values]
         right["answer_masked"] += [bool(pred[1, i] == ids[i]) for i in values]
+        for k, i in enumerate(values):
+            by_value[k].append(bool(pred[0, i] == ids[i]))
+    engine = Engine(cfg, m.params, batch_size=16, buffer_size=1, tokenizer=tok)
+    out = engine.generate([tok.encode(ex.prompt) for ex in questions], table1_decode(1))
+    decoded: dict[int, list[bool]] = {1: [], 2: []}
+    for ex, r in zip(questions, out):
+        decoded[ex.answer.count("=")].append(ex.is_correct(r.text))
+
+    def mean(v: list[bool]) -> float | None:
+        return round(float(np.mean(v)), 3) if v else None
+
     return {"model": model, "questions": limit, "values": len(right["values_masked"]),
-            **{k: round(float(np.mean(v)), 3) for k, v in right.items()}}
+            **{k: mean(v) for k, v in right.items()},
+            "values_masked_first": mean(by_value[0]), "values_masked_second": mean(by_value[1]),
+            "decoded_one_key": mean(decoded[1]), "decoded_two_keys": mean(decoded[2]),
+            "questions_by_keys": {k: len(v) for k, v in decoded.items()}}
 
 
 def main() -> None:
@@ -72,11 +92,13 @@ def main() -> None:
         ap.error(f"--limit must be >= 1, got {args.limit}")
     rows = [probe(m, args.limit) for m in args.models.split(",")]
     print(json.dumps(rows, indent=1))
-    print("| model | values | values masked | whole answer masked |", file=sys.stderr)
-    print("|---|---|---|---|", file=sys.stderr)
+    print("| model | values | values masked | whole answer masked | first value | second value "
+          "| decoded, one key | decoded, two keys |", file=sys.stderr)
+    print("|---|---|---|---|---|---|---|---|", file=sys.stderr)
     for r in rows:
-        print(f"| {r['model']} | {r['values']} | {r['values_masked']:.3f} "
-              f"| {r['answer_masked']:.3f} |", file=sys.stderr)
+        print(f"| {r['model']} | {r['values']} | {r['values_masked']} | {r['answer_masked']} "
+              f"| {r['values_masked_first']} | {r['values_masked_second']} "
+              f"| {r['decoded_one_key']} | {r['decoded_two_keys']} |", file=sys.stderr)
 
 
 if __name__ == "__main__":

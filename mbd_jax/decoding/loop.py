@@ -55,35 +55,37 @@ def decode_meta(state: DecodeState, w: int, blk: int,
                               commit=jnp.where(state.done, 0, state.n_to_cache * blk))
 
 
-def one_slot(state: DecodeState) -> jax.Array:
-    """True while no live row has more than one valid slot (a request's first step, its last
-    block after an EOS, every step of SingleBD): the buffer's later slots are then DUMMY for
-    every row, all MASK and past every row's visible length, so nothing reads them."""
-    return jnp.all(state.done | (state.n_valid <= 1))
+def slots_in_use(state: DecodeState) -> jax.Array:
+    """The most valid slots any live row has (at least 1). The buffer's later slots are DUMMY
+    for every row, all MASK and past every row's visible length, so nothing reads them: a step
+    may forward the first `slots_in_use` blocks alone. It is 1 on a request's first step, on its
+    last block after an EOS and on every step of SingleBD."""
+    return jnp.maximum(jnp.max(jnp.where(state.done, 1, state.n_valid)), 1)
 
 
 def decode_step(params: Any, state: DecodeState, kv: Cache, rows: jax.Array | None = None, *,
                 apply_fn: ApplyFn, cfg: ModelConfig, n_slots: int, debug: bool = False,
-                first_block_only: bool = False) -> tuple[DecodeState, Cache]:
+                compute_slots: int | None = None) -> tuple[DecodeState, Cache]:
     """One forward over every row's buffer (N * blk tokens), unmasking, and the bookkeeping.
     Finished and free rows store nothing in the cache, so a row whose next request is being
     prefilled between decode calls is never overwritten. With `debug`, the Block Buffer
     invariants are checked after the step (state.violations).
 
-    `first_block_only` (static; only where `one_slot(state)` holds): the forward computes the
-    window's first block alone and its logits are padded back to W with zeros; the DUMMY
-    positions they stand for are not maskable, so no rule selects them. The result is the full
-    window's (up to float rounding of the narrower matmuls)."""
+    `compute_slots` (static; only where `slots_in_use(state) <= compute_slots`): the forward
+    computes the window's first `compute_slots` blocks alone and its logits are padded back to W
+    with zeros; the DUMMY positions they stand for are not maskable, so no rule selects them. The
+    result is the full window's (up to float rounding of the narrower matmuls)."""
     blk = cfg.block_size
     w = n_slots * blk
     p = state.params
     win = block_buffer.window(state, w)  # [B, W]
     meta = decode_meta(state, w, blk, rows)
     positions = meta.positions
-    if first_block_only and w > blk:
-        logits, kv = apply_fn({"params": params}, win[:, :blk],
-                              meta.replace(positions=positions[:, :blk]), kv)
-        logits = jnp.pad(logits, ((0, 0), (0, w - blk), (0, 0)))
+    if compute_slots is not None and compute_slots < n_slots:
+        c = compute_slots * blk
+        logits, kv = apply_fn({"params": params}, win[:, :c],
+                              meta.replace(positions=positions[:, :c]), kv)
+        logits = jnp.pad(logits, ((0, 0), (0, w - c), (0, 0)))
     else:
         logits, kv = apply_fn({"params": params}, win, meta, kv)
 
@@ -131,35 +133,37 @@ def decode_loop(params: Any, state: DecodeState, kv: Cache, max_steps: jax.Array
     host can refill it, or return it). Returns the steps run. `rows`: the cache row of each
     state row (a state of a few of the cache's rows: only those compute).
 
-    With a buffer of several blocks, steps where `one_slot` holds compute the first block only
-    (decode_step's `first_block_only`): on a CPU a step costs about its FLOPs even at batch 1,
-    and such steps (every request's first, its last block after the EOS) would spend half or
-    more of them on DUMMY slots. The two widths run as two inner while-loops in turn, not as a
-    `lax.cond`: XLA copies a cache that both branches of a conditional capture, every step, where
-    a while-loop updates its carry in place. Voting's recording needs every position's
-    prediction, so a recording loop keeps the full window."""
+    With a buffer of several blocks, each step forwards only the slots some live row uses
+    (decode_step's `compute_slots` = `slots_in_use`): on a CPU a step costs about its FLOPs even
+    at batch 1, and steps with DUMMY slots (every request's first, its last blocks after the EOS,
+    a row whose next block has not opened yet) would spend them on MASK tokens nobody reads.
+    Each width is its own inner while-loop, run in turn, not a `lax.switch`: XLA copies a cache
+    that the branches of a conditional capture, every step, where a while-loop updates its carry
+    in place. Voting's recording needs every position's prediction, so a recording loop keeps
+    the full window."""
 
     def running(carry):
         st, _, steps, event = carry
         return (steps < max_steps) & ~jnp.all(st.done) & ~event
 
-    def step(first_block_only):
+    def step(compute_slots):
         def body(carry):
             st, cache, steps, _ = carry
             new_st, cache = decode_step(params, st, cache, rows, apply_fn=apply_fn, cfg=cfg,
-                                        n_slots=n_slots, debug=debug,
-                                        first_block_only=first_block_only)
+                                        n_slots=n_slots, debug=debug, compute_slots=compute_slots)
             return new_st, cache, steps + 1, jnp.any(new_st.done & ~st.done)
         return body
 
     carry = (state, kv, jnp.asarray(0, jnp.int32), jnp.asarray(False))
     if n_slots == 1 or state.trajectory.shape[1] > 0:
-        state, kv, steps, _ = jax.lax.while_loop(running, step(False), carry)
+        state, kv, steps, _ = jax.lax.while_loop(running, step(None), carry)
         return state, kv, steps
 
-    def narrow_then_wide(carry):  # each pass runs at least one step (exactly one loop's holds)
-        carry = jax.lax.while_loop(lambda c: running(c) & one_slot(c[0]), step(True), carry)
-        return jax.lax.while_loop(lambda c: running(c) & ~one_slot(c[0]), step(False), carry)
+    def each_width(carry):  # a pass runs at least one step: the loop of the width in use does
+        for k in range(1, n_slots + 1):
+            carry = jax.lax.while_loop(
+                lambda c, k=k: running(c) & (slots_in_use(c[0]) == k), step(k), carry)
+        return carry
 
-    state, kv, steps, _ = jax.lax.while_loop(running, narrow_then_wide, carry)
+    state, kv, steps, _ = jax.lax.while_loop(running, each_width, carry)
     return state, kv, steps
