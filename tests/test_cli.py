@@ -182,6 +182,7 @@ def test_generate_chat_uses_the_model_directorys_own_template(tmp_path):
     ("compare_models.py", ["--models", "tiny-mbd", "--buffer-size", "2,x"], "--buffer-size"),
     ("compare_models.py", ["--models", "tiny-mbd", "--threshold", "1.5"], "accept_threshold"),
     ("table1.py", ["--buffer-size", "1"], "argument --buffer-size: must be >= 2, got 1"),
+    ("table1.py", ["--limit", "0"], "argument --limit: must be >= 1, got 0"),
     ("tpf_by_length.py", ["--runs", "tiny-mbd:2", "--batch-size", "two"],
      "argument --batch-size: expected an integer, got 'two'"),
     ("window_widths.py", ["--batch-size", "1", "0"], "argument --batch-size: must be >= 1, got 0"),

@@ -54,7 +54,7 @@ def main() -> None:
     from mbd_jax.train import tasks
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--limit", type=int, default=50, help="held-out prompts per task")
+    ap.add_argument("--limit", type=int_at_least(1), default=50, help="held-out prompts per task")
     ap.add_argument("--thresholds", default="0.5,0.7,0.8,0.9,0.95,0.99")
     ap.add_argument("--main-threshold", type=float, default=0.95)
     ap.add_argument("--add-block-threshold", type=float, help="default: evaluate.table1_decode's")
