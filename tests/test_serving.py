@@ -159,6 +159,7 @@ def test_64_concurrent_requests_equal_offline(server, offline):
     ("/v1/completions", {"prompt": "hi", "decoding": {"nope": 1}}, "decoding"),
     ("/v1/completions", {"prompt": "hi", "n": 99}, "n"),
     ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 3}, "n"),  # 9 choices > max_segments 8
+    ("/v1/completions", {"prompt": ["a"] * 9}, "prompt"),  # 9 prompts of one choice each
     ("/v1/completions", {"prompt": [[1, 2], "x"]}, "prompt"),
     ("/v1/completions", {"prompt": [[5, 10**6]]}, "prompt"),
     ("/v1/completions", {"prompt": ["ok", [5, 6]]}, "prompt"),

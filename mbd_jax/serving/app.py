@@ -428,14 +428,15 @@ def build_apps(svc: Service, admin_port: bool = True) -> tuple[Starlette, Starle
         """Runs req.n choices per prompt (choice index = prompt * n + j) and answers in the
         OpenAI shape (openai_response.Choices), streamed or not."""
         thinking, n = svc.thinking(req), req.n
+        if len(prompts) * n > svc.cfg.server.max_segments:  # n == 1: the prompt list is too long
+            raise HTTPError(400, f"{len(prompts)} prompts x n={n} is {len(prompts) * n} choices; "
+                                 f"the limit is {svc.cfg.server.max_segments}",
+                            param="n" if n > 1 else "prompt")
         decodes, budget = svc.decode_configs(req, thinking, len(prompts) * n, "max_tokens")
         if budget is not None:  # an explicit token budget must fit beside every prompt
             for i, ids in enumerate(prompts):
                 svc.check_room(ids, decodes[0], "messages" if chat_format else
                                ("prompt" if len(prompts) == 1 else f"prompt[{i}]"), budget)
-        if len(prompts) * n > svc.cfg.server.max_segments:
-            raise HTTPError(400, f"{len(prompts)} prompts x n={n} is {len(prompts) * n} choices; "
-                                 f"the limit is {svc.cfg.server.max_segments}", param="n")
         prompt_of = [i // n for i in range(len(prompts) * n)]
         with_logprobs = protocol.wants_logprobs(req)
         reqs = await svc.start([prompts[p] for p in prompt_of], decodes, thinking, req.stop,
