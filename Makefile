@@ -56,10 +56,10 @@ bench: $(VENV)/.installed
 	$(BIN)/mbd-jax bench decode --buffer-size 1,2,4 --json
 
 ## make models: retrain the shipped tokenizer, tiny-bd and tiny-mbd from scratch (fixed seeds;
-## nine stages, 25,100 steps: about 7.5 h on 2 CPU cores, see docs/training.md)
+## eleven stages, 28,300 steps: about 8 h on 2 CPU cores, see docs/training.md)
 models: $(VENV)/.installed
 	$(BIN)/python tools/train_tokenizer.py --tasks arith,sort,reverse,recall,sortrev --out configs/tokenizers/tasks --vocab 384
-	rm -rf runs/recall-lookup runs/recall-then-mix runs/recall-then-mix-arith runs/mix-low-lr runs/mix-arith runs/long-lists runs/raw-marked runs/tiny-bd runs/tiny-mbd
+	rm -rf runs/recall-lookup runs/recall-then-mix runs/recall-then-mix-arith runs/mix-low-lr runs/mix-arith runs/long-lists runs/raw-marked runs/arith-recall runs/recall-two-keys runs/tiny-bd runs/tiny-mbd
 	$(BIN)/mbd-jax train --config configs/train/recall-lookup.yaml
 	$(BIN)/mbd-jax train --config configs/train/recall-then-mix.yaml
 	$(BIN)/mbd-jax train --config configs/train/recall-then-mix-arith.yaml
@@ -67,6 +67,8 @@ models: $(VENV)/.installed
 	$(BIN)/mbd-jax train --config configs/train/mix-arith.yaml
 	$(BIN)/mbd-jax train --config configs/train/long-lists.yaml
 	$(BIN)/mbd-jax train --config configs/train/raw-marked.yaml
+	$(BIN)/mbd-jax train --config configs/train/arith-recall.yaml
+	$(BIN)/mbd-jax train --config configs/train/recall-two-keys.yaml
 	$(BIN)/mbd-jax train --config configs/train/tiny-bd.yaml --output models/tiny-bd --force
 	$(BIN)/mbd-jax train --config configs/train/tiny-mbd.yaml --output models/tiny-mbd --force
 

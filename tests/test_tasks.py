@@ -244,3 +244,26 @@ def test_raw_answer_prefix_marks_raw_replies_only_and_eval_reads_past_it():
     with pytest.raises(UserError, match="raw_answer_prefix"):
         from_dict(TrainConfig, {"name": "t", "model": "m", "raw_answer_prefix": "yes"},
                   where="t.yaml")
+
+
+def test_the_two_key_recall_drill_trains_only_and_holds_out_what_recall_holds_out():
+    """recall2 asks exactly two keys (in list order and not), its answers match the solver, its
+    training stream has no held-out question (its questions in list order are recall's own kind,
+    held out by the same hash of the text), and it is a training task only: eval refuses it."""
+    from mbd_jax.config import from_dict
+    from mbd_jax.evaluate import task_names
+    orders = collections.Counter()
+    for ex, _ in zip(tasks.examples(["recall2"], seed=7), range(600)):
+        question = turns(ex)[-1][1]
+        assert solve(question) == ex.answer and not tasks.is_heldout(question), ex
+        asked, pairs = re.fullmatch(r"Recall ([a-z ]+) in: (.+)", question).groups()
+        keys = [p.split("=")[0] for p in pairs.split()]
+        assert len(asked.split()) == 2 and 3 <= len(keys) <= 6, ex
+        where = [keys.index(k) for k in asked.split()]
+        orders[where == sorted(where)] += 1
+    assert 390 < orders[True] < 510 and orders[False] > 90, orders  # in list order 3 times in 4
+    assert "recall2" not in tasks.TASKS and "recall2" in tasks.TRAIN_TASKS
+    with pytest.raises(UserError, match="unknown task.*recall2"):
+        task_names("recall2", 10)
+    from_dict(TrainConfig, {"name": "t", "model": "m", "tasks": ["recall2", "sort"]},
+              where="t.yaml").validate()

@@ -319,7 +319,7 @@ def test_the_shipped_training_configs_load_and_chain():
               for line in make.splitlines() if "train --config configs/train/" in line]
     assert stages == ["recall-lookup.yaml", "recall-then-mix.yaml", "recall-then-mix-arith.yaml",
                       "mix-low-lr.yaml", "mix-arith.yaml", "long-lists.yaml", "raw-marked.yaml",
-                      "tiny-bd.yaml", "tiny-mbd.yaml"]
+                      "arith-recall.yaml", "recall-two-keys.yaml", "tiny-bd.yaml", "tiny-mbd.yaml"]
     for i, stage in enumerate(stages[1:-1], 1):  # each trains on from the stage before it
         assert configs[stage].path(configs[stage].model) == configs[stages[i - 1]].output_dir()
 

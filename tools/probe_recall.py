@@ -10,15 +10,18 @@ lookup at all (a digit at chance); near 1/(pairs) means a value of the prompt bu
 one. Decoding plays no part, so this separates the model's lookup from the sampler's order.
 Beside it, by the answer's first and second value (two-key questions have a second), the
 values-masked accuracy, and the share of questions a SingleBD decode (Table 1's decoding) gets
-right. Prints JSON (stdout) and a table (stderr).
+right; and whose value each wrong second value is (the neighbouring pairs', the first key's, or
+another). Prints JSON (stdout) and a table (stderr).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import json
 import pathlib
+import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -51,6 +54,7 @@ def probe(model: str, limit: int) -> dict:
 
     right = {"values_masked": [], "answer_masked": []}
     by_value: list[list[bool]] = [[], []]  # values masked: the answer's first, second value
+    misses: collections.Counter = collections.Counter()  # whose value a wrong second one is
     questions = list(itertools.islice(
         tasks.examples(["recall"], seed=1, split="heldout", fmt="chat"), limit))
     for ex in questions:
@@ -67,6 +71,8 @@ def probe(model: str, limit: int) -> dict:
         right["answer_masked"] += [bool(pred[1, i] == ids[i]) for i in values]
         for k, i in enumerate(values):
             by_value[k].append(bool(pred[0, i] == ids[i]))
+        if len(values) == 2 and pred[0, values[1]] != ids[values[1]]:
+            misses[second_value_miss(ex, tok.decode([int(pred[0, values[1]])]).strip())] += 1
     engine = Engine(cfg, m.params, batch_size=16, buffer_size=1, tokenizer=tok)
     out = engine.generate([tok.encode(ex.prompt) for ex in questions], table1_decode(1))
     decoded: dict[int, list[bool]] = {1: [], 2: []}
@@ -80,7 +86,25 @@ def probe(model: str, limit: int) -> dict:
             **{k: mean(v) for k, v in right.items()},
             "values_masked_first": mean(by_value[0]), "values_masked_second": mean(by_value[1]),
             "decoded_one_key": mean(decoded[1]), "decoded_two_keys": mean(decoded[2]),
-            "questions_by_keys": {k: len(v) for k, v in decoded.items()}}
+            "questions_by_keys": {k: len(v) for k, v in decoded.items()},
+            "second_value_misses": {k: misses[k] for k in MISS_KINDS}}
+
+
+MISS_KINDS = ("pair before", "pair after", "first key's", "other")
+
+
+def second_value_miss(ex, predicted: str) -> str:
+    """Whose value a wrong second value is: the pair listed just before the asked one, just
+    after it, the first asked key's, or none of those (the first that fits, in that order)."""
+    keys, table = re.search(r"Recall ([a-z ]+) in: ([a-z0-9= ]+)", ex.prompt).groups()
+    pairs = [p.split("=") for p in table.split()]
+    first, second = keys.split()
+    at = [k for k, _ in pairs].index(second)
+    before = pairs[at - 1][1] if at > 0 else None
+    after = pairs[at + 1][1] if at + 1 < len(pairs) else None
+    first_value = dict(pairs)[first]
+    return ("pair before" if predicted == before else "pair after" if predicted == after else
+            "first key's" if predicted == first_value else "other")
 
 
 def main() -> None:
@@ -93,12 +117,15 @@ def main() -> None:
     rows = [probe(m, args.limit) for m in args.models.split(",")]
     print(json.dumps(rows, indent=1))
     print("| model | values | values masked | whole answer masked | first value | second value "
-          "| decoded, one key | decoded, two keys |", file=sys.stderr)
-    print("|---|---|---|---|---|---|---|---|", file=sys.stderr)
+          "| decoded, one key | decoded, two keys | second value misses: "
+          + " / ".join(MISS_KINDS) + " |", file=sys.stderr)
+    print("|---|---|---|---|---|---|---|---|---|", file=sys.stderr)
     for r in rows:
         print(f"| {r['model']} | {r['values']} | {r['values_masked']} | {r['answer_masked']} "
               f"| {r['values_masked_first']} | {r['values_masked_second']} "
-              f"| {r['decoded_one_key']} | {r['decoded_two_keys']} |", file=sys.stderr)
+              f"| {r['decoded_one_key']} | {r['decoded_two_keys']} "
+              f"| {' / '.join(str(n) for n in r['second_value_misses'].values())} |",
+              file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import yaml
 
 from mbd_jax.config import REPO_ROOT, _check, from_dict, load_yaml
 from mbd_jax.errors import ConfigError
-from mbd_jax.train.tasks import FORMAT_WEIGHTS, TASKS
+from mbd_jax.train.tasks import FORMAT_WEIGHTS, TRAIN_TASKS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,9 +71,9 @@ class TrainConfig:
     log_every: int = 10
 
     def validate(self, where: str = "train") -> None:
-        bad = [t for t in self.tasks if t not in TASKS]
+        bad = [t for t in self.tasks if t not in TRAIN_TASKS]
         _check(not bad and len(self.tasks) > 0, where,
-               f"field 'tasks' has unknown task(s) {bad}; allowed: {', '.join(TASKS)}")
+               f"field 'tasks' has unknown task(s) {bad}; allowed: {', '.join(TRAIN_TASKS)}")
         _check(0 <= self.thinking_share <= 1, where,
                f"field 'thinking_share' must be in [0, 1], got {self.thinking_share}")
         fw = self.format_weights

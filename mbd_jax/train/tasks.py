@@ -13,6 +13,8 @@ so accuracy on the held-out split measures generalisation.
     longsort     Sort: 11-20 digits              -> 22-40 tokens: 3-6 8-token blocks with its EOS
     longreverse  Reverse: 11-24 letters          -> 11-24 tokens: 2-4 blocks with its EOS
 
+    recall2  (a training-only drill) recall asking exactly two keys, mostly in list order
+
 Answers of the longer lists span several 8-token blocks, which is where decoding the next block
 early (MultiBD) has room to pay: the long tasks exist for that (the first five are the shipped
 pipeline's first stages; their streams do not change when tasks are added).
@@ -134,9 +136,24 @@ def _recall(rng: np.random.Generator) -> Problem:
     pairs = [(_LETTERS[int(k)], int(rng.integers(0, 10))) for k in keys]
     asked = sorted(rng.choice(len(pairs), size=min(len(pairs) - 1, int(rng.integers(1, 3))),
                               replace=False))
-    wanted = [pairs[int(i)] for i in asked]
+    return _recall_problem(pairs, [int(i) for i in asked])
+
+
+def _recall_problem(pairs: list[tuple[str, int]], asked: list[int]) -> Problem:
+    """`Recall <asked keys> in: <pairs>` -> the asked pairs, in the order asked."""
+    wanted = [pairs[i] for i in asked]
     return Problem(f"Recall {' '.join(k for k, _ in wanted)} in: "
                    + " ".join(f"{k}={v}" for k, v in pairs), " ".join(f"{k}={v}" for k, v in wanted))
+
+
+def _recall_two_keys(rng: np.random.Generator) -> Problem:
+    """A recall question asking exactly two keys of 3-6 pairs: half of them in list order (as
+    recall asks), the rest in a random order (so three in four are in list order)."""
+    n = int(rng.integers(3, 7))
+    keys = rng.choice(26, size=n, replace=False)
+    pairs = [(_LETTERS[int(k)], int(rng.integers(0, 10))) for k in keys]
+    asked = [int(i) for i in rng.choice(n, size=2, replace=False)]
+    return _recall_problem(pairs, sorted(asked) if rng.random() < 0.5 else asked)
 
 
 def _sortrev(rng: np.random.Generator) -> Problem:
@@ -162,23 +179,31 @@ TASKS: dict[str, Callable[[np.random.Generator], Problem]] = {
     "longreverse": functools.partial(_reverse, lo=11, hi=24)}
 
 
+# Training-only drills: questions of an evaluated task's kind, drawn to train one skill (never
+# evaluated; a held-out question of the task is held out of its drill too, by the same hash).
+DRILLS: dict[str, Callable[[np.random.Generator], Problem]] = {"recall2": _recall_two_keys}
+# What a training config may name.
+TRAIN_TASKS = {**TASKS, **DRILLS}
+
+
 def is_heldout(question: str) -> bool:
     digest = hashlib.sha256(question.encode()).digest()
     return int.from_bytes(digest[:4], "little") % 1000 < HELDOUT_PER_MILLE
 
 
-def check_tasks(names: list[str] | tuple[str, ...], where: str = "tasks") -> None:
-    bad = [n for n in names if n not in TASKS]
+def check_tasks(names: list[str] | tuple[str, ...], where: str = "tasks",
+                allowed: dict[str, Callable] = TASKS) -> None:
+    bad = [n for n in names if n not in allowed]
     if bad or not names:
         raise UserError(f"{where}: unknown task(s) {', '.join(bad) or '(none given)'}; "
-                        f"allowed: {', '.join(TASKS)}")
+                        f"allowed: {', '.join(allowed)}")
 
 
 def _train_question(tasks: list[str] | tuple[str, ...], rng: np.random.Generator
                     ) -> tuple[str, str]:
     """A question (and answer) of a random task from the train split: an earlier turn."""
     while True:
-        question, answer, _ = TASKS[tasks[int(rng.integers(len(tasks)))]](rng)
+        question, answer, _ = TRAIN_TASKS[tasks[int(rng.integers(len(tasks)))]](rng)
         if not is_heldout(question):
             return question, answer
 
@@ -209,7 +234,7 @@ def examples(tasks: list[str] | tuple[str, ...], seed, split: str = "train",
     `fmt` (None: `thinking` with probability thinking_share, else drawn by format_weights,
     default FORMAT_WEIGHTS; a share of 0 draws nothing for it, so the stream is the one made
     before the format existed). raw_answer_prefix: raw replies start with RAW_ANSWER_PREFIX."""
-    check_tasks(tasks)
+    check_tasks(tasks, allowed=TRAIN_TASKS)
     if split not in ("train", "heldout"):
         raise UserError(f"split: must be 'train' or 'heldout', got {split!r}")
     if fmt is not None and fmt not in FORMATS:
@@ -221,7 +246,7 @@ def examples(tasks: list[str] | tuple[str, ...], seed, split: str = "train",
     i = 0
     while True:
         task = tasks[i % len(tasks)]
-        question, answer, trace = TASKS[task](rng)
+        question, answer, trace = TRAIN_TASKS[task](rng)
         if is_heldout(question) == want_heldout:
             i += 1
             f = fmt or ("thinking" if thinking_share and rng.random() < thinking_share else
