@@ -186,6 +186,8 @@ def test_generate_chat_uses_the_model_directorys_own_template(tmp_path):
     ("tpf_by_length.py", ["--runs", "tiny-mbd:2", "--batch-size", "two"],
      "argument --batch-size: expected an integer, got 'two'"),
     ("window_widths.py", ["--batch-size", "1", "0"], "argument --batch-size: must be >= 1, got 0"),
+    ("probe_recall.py", ["--models", "tiny-bd", "--limit", "0"],
+     "argument --limit: must be >= 1, got 0"),
 ])
 def test_eval_tools_refuse_bad_sizes_before_loading_a_model(tool, args, message):
     """The measuring tools name a bad size or threshold and exit 2, without a traceback (a bad

@@ -108,12 +108,12 @@ def second_value_miss(ex, predicted: str) -> str:
 
 
 def main() -> None:
+    from mbd_jax.cli import int_at_least
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", required=True, help="comma-separated models (names or directories)")
-    ap.add_argument("--limit", type=int, default=200, help="held-out recall questions")
+    ap.add_argument("--limit", type=int_at_least(1), default=200, help="held-out recall questions")
     args = ap.parse_args()
-    if args.limit < 1:
-        ap.error(f"--limit must be >= 1, got {args.limit}")
     rows = [probe(m, args.limit) for m in args.models.split(",")]
     print(json.dumps(rows, indent=1))
     print("| model | values | values masked | whole answer masked | first value | second value "
