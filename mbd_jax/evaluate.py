@@ -45,7 +45,7 @@ class EvalReport:
 def task_names(task: str, limit: int, where: str = "--task") -> list[str]:
     """`task` (a name, a comma-separated list, or `all`) as task names; checks `limit` too."""
     names = list(tasks.TASKS) if task == "all" else task.split(",")
-    tasks.check_tasks(names, where=where)
+    tasks.check_tasks(names, where=where, allowed=tasks.EVAL_TASKS)
     if limit < 1:
         raise UserError(f"--limit must be >= 1, got {limit}")
     return names

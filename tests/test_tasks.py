@@ -24,7 +24,8 @@ def solve(question: str) -> str:
     """An independent solver for every task's question text."""
     if m := re.fullmatch(r"What is (\d+)([+-])(\d+)\?", question):
         a, op, b = int(m[1]), m[2], int(m[3])
-        return f"{a}{op}{b}={a + b if op == '+' else a - b}"
+        result = f"{a}{op}{b}={a + b if op == '+' else a - b}"
+        return f"{worked_columns(m[1], op, m[3])} {result}" if len(m[1]) == len(m[3]) == 3 else result
     if m := re.fullmatch(r"Sort and reverse: ([\d ]+)", question):
         return " ".join(sorted(m[1].split(), reverse=True))
     if m := re.fullmatch(r"Sort: ([\d ]+)", question):
@@ -35,6 +36,21 @@ def solve(question: str) -> str:
         table = dict(p.split("=") for p in m[2].split())
         return " ".join(f"{k}={table[k]}" for k in m[1].split())
     raise AssertionError(f"unknown question {question!r}")
+
+
+def worked_columns(a: str, op: str, b: str) -> str:
+    """Pencil-and-paper columns of two three-digit numbers, units first: each column's digits,
+    a carry in as `+1` (a borrow paid as `-1`), a digit that borrows written plus 10."""
+    out, carry = [], 0
+    for x, y in zip(map(int, reversed(a)), map(int, reversed(b))):
+        if op == "+":
+            out.append(f"{x}+{y}" + "+1" * carry + f"={x + y + carry}")
+            carry = (x + y + carry) // 10
+        else:
+            top = x + 10 if x - carry < y else x
+            out.append(f"{top}" + "-1" * carry + f"-{y}={top - carry - y}")
+            carry = int(top > x)
+    return " ".join(out)
 
 
 def turns(ex: tasks.Example) -> list[tuple[str, str]]:
@@ -48,7 +64,7 @@ def turns(ex: tasks.Example) -> list[tuple[str, str]]:
 def check_trace(ex: tasks.Example) -> None:
     """A thinking reply's trace does the work it claims: every arith column adds up (with the
     carry or borrow it names) and the columns spell the answer; sortrev's trace is the sorted
-    list; the other tasks think nothing."""
+    list (longsortrev's too); the other tasks think nothing."""
     question = turns(ex)[-1][1]
     if ex.task == "arith":
         columns = ex.reasoning.split()
@@ -66,7 +82,7 @@ def check_trace(ex: tasks.Example) -> None:
             assert units_terms == [ua + (10 if ua < ub else 0), -ub], ex
             assert tens_terms == [ta] + ([-1] if ua < ub else []) + [-tb], ex  # the borrow
         assert ex.answer.endswith(f"={int(tens) * 10 + int(units) % 10}"), ex  # it spells the answer
-    elif ex.task == "sortrev":
+    elif ex.task in ("sortrev", "longsortrev"):
         assert ex.reasoning == " ".join(sorted(question.split(": ")[1].split())), ex
     else:
         assert ex.reasoning == "", ex
@@ -86,7 +102,7 @@ def test_the_shipped_models_training_stream_is_unchanged():
 
 
 def test_thinking_examples_work_their_trace_and_follow_the_share():
-    stream = tasks.examples(list(tasks.TASKS), seed=4, thinking_share=0.3)
+    stream = tasks.examples(list(tasks.EVAL_TASKS), seed=4, thinking_share=0.3)
     seen = collections.Counter()
     for ex, _ in zip(stream, range(1500)):
         seen[ex.format] += 1
@@ -101,9 +117,12 @@ def test_thinking_examples_work_their_trace_and_follow_the_share():
     assert abs(seen["thinking"] / 1500 - 0.3) < 0.04, seen
     for fmt, w in tasks.FORMAT_WEIGHTS.items():  # the rest keep their proportions
         assert abs(seen[fmt] / 1500 - 0.7 * w) < 0.04, (fmt, seen)
-    for name in tasks.TASKS:
+    for name in tasks.EVAL_TASKS:
         for ex in tasks.heldout(name, 30, fmt="thinking"):
             check_trace(ex)
+    worked = [ex.answer for ex in tasks.heldout("longarith", 300)]  # every kind of column occurs
+    for kind in (r"\d\+\d\+1=", r"\b1\d-\d=", r"\b1\d-1-\d=", r"\b\d-1-\d=", r"=0 \d+-"):
+        assert any(re.search(kind, w) for w in worked), kind  # carries, borrows, chained borrows
     borrow = [ex for ex in tasks.heldout("arith", 200, fmt="thinking") if "-1-" in ex.reasoning]
     carry = [ex for ex in tasks.heldout("arith", 200, fmt="thinking") if "+1=" in ex.reasoning]
     assert borrow and carry  # both kinds of column occur
@@ -132,7 +151,7 @@ def test_format_weights_choose_the_formats_a_config_trains_on():
 
 
 def test_answers_match_an_independent_solver_in_every_format():
-    stream = tasks.examples(list(tasks.TASKS), seed=3)
+    stream = tasks.examples(list(tasks.EVAL_TASKS), seed=3)
     seen = collections.Counter()
     for ex, _ in zip(stream, range(1500)):
         seen[ex.format] += 1
@@ -153,11 +172,11 @@ def test_answers_match_an_independent_solver_in_every_format():
 
 
 def test_heldout_questions_never_reach_training_and_eval_uses_only_them():
-    for ex, _ in zip(tasks.examples(list(tasks.TASKS), seed=5), range(3000)):
+    for ex, _ in zip(tasks.examples(list(tasks.EVAL_TASKS), seed=5), range(3000)):
         for role, text in turns(ex):
             if role == "user":
                 assert not tasks.is_heldout(text), ex
-    for name in tasks.TASKS:
+    for name in tasks.EVAL_TASKS:
         for fmt in tasks.FORMATS:
             exs = tasks.heldout(name, 20, fmt=fmt)
             assert len({e.prompt for e in exs}) == 20
@@ -172,7 +191,8 @@ def test_long_answers_span_several_blocks():
               for ex, _ in zip(tasks.examples(["sort", "reverse", "sortrev"], 0), range(300))]
     assert max(blocks) >= 3 and np.mean([b >= 2 for b in blocks]) > 0.4
     # the long tasks: every answer (and its EOS) spans 2-6 blocks, longsort's 3-6
-    for name, lo, hi in (("longsort", 3, 6), ("longreverse", 2, 4)):
+    for name, lo, hi in (("longsort", 3, 6), ("longreverse", 2, 4), ("longarith", 4, 5),
+                         ("longsortrev", 3, 6)):
         spans = [(len(tok.encode(ex.answer)) + 1 + 7) // 8
                  for ex, _ in zip(tasks.examples([name], 0), range(200))]
         assert min(spans) == lo and max(spans) == hi, (name, collections.Counter(spans))
@@ -267,3 +287,18 @@ def test_the_two_key_recall_drill_trains_only_and_holds_out_what_recall_holds_ou
         task_names("recall2", 10)
     from_dict(TrainConfig, {"name": "t", "model": "m", "tasks": ["recall2", "sort"]},
               where="t.yaml").validate()
+
+
+def test_trial_tasks_are_evaluated_by_name_only():
+    """The trial tasks (long answers: worked three-digit sums, long sort-and-reverse) train and
+    evaluate when named, but `all` (the suite, Table 1, the shipped models' floors) is TASKS."""
+    from mbd_jax.evaluate import task_names
+    assert set(tasks.TRIAL_TASKS) == {"longarith", "longsortrev"}
+    assert not set(tasks.TRIAL_TASKS) & set(tasks.TASKS)
+    assert task_names("all", 5) == list(tasks.TASKS)
+    assert task_names("longarith,sort", 5) == ["longarith", "sort"]
+    with pytest.raises(UserError, match="unknown task.*longsum.*allowed: .*longsortrev"):
+        task_names("longsum", 5)
+    sums = [ex for ex in tasks.heldout("longarith", 200)]
+    assert all(solve(turns(ex)[-1][1]) == ex.answer for ex in sums)
+    assert {ex.answer.split()[-1][3] for ex in sums} == {"+", "-"}

@@ -38,7 +38,8 @@ def main() -> None:
     ap.add_argument("--formats", default="chat", help=f"comma-separated: {', '.join(tasks.FORMATS)}")
     ap.add_argument("--limit", type=int, default=20, help="held-out prompts per task")
     ap.add_argument("--tasks", default="all",
-                    help=f"comma-separated: {', '.join(tasks.TASKS)}; or all (default)")
+                    help=f"comma-separated: {', '.join(tasks.EVAL_TASKS)}; or all (the suite: "
+                         f"the first {len(tasks.TASKS)}; default)")
     ap.add_argument("--batch-size", type=int_at_least(1), default=16)
     for flag in ("threshold", "semi-complete-threshold", "add-block-threshold"):
         ap.add_argument(f"--{flag}", help="comma-separated values (default: table1_decode's)")

@@ -13,11 +13,16 @@ so accuracy on the held-out split measures generalisation.
     longsort     Sort: 11-20 digits              -> 22-40 tokens: 3-6 8-token blocks with its EOS
     longreverse  Reverse: 11-24 letters          -> 11-24 tokens: 2-4 blocks with its EOS
 
+    on trial (TRIAL_TASKS: trained and evaluated by name, not yet in the suite):
+    longarith    What is 347+586?  -> 7+6=13 4+8+1=13 3+5+1=9 347+586=933  (three-digit + and -,
+                 worked column by column: 4-5 blocks)
+    longsortrev  Sort and reverse: 11-20 digits  -> 3-6 blocks
+
     recall2  (a training-only drill) recall asking exactly two keys, mostly in list order
 
-Answers of the longer lists span several 8-token blocks, which is where decoding the next block
-early (MultiBD) has room to pay: the long tasks exist for that (the first five are the shipped
-pipeline's first stages; their streams do not change when tasks are added).
+The long tasks' answers span several 8-token blocks, which is where decoding the next block
+early (MultiBD) has room to pay: they exist for that (the first five are the shipped pipeline's
+first stages; their streams do not change when tasks are added).
 
 A question reaches the model in one of four formats, so every service path sees text it was
 trained on: `chat` (one user turn, the `plain` template: `/v1/chat/completions`), `system` (a
@@ -33,8 +38,9 @@ answer after it.
 
 A fifth format, `thinking`, is a chat turn with the thinking switch on: the prompt opens a
 thinking section and the reply is a short worked trace, `</think>`, then the answer. Only arith
-and sortrev have a trace that does work (the digit columns with their carries or borrows; the
-sorted list before its reversal); the others think nothing (`</think>` at once). Training gets it
+and (long)sortrev have a trace that does work (the digit columns with their carries or borrows; the
+sorted list before its reversal); the others think nothing (`</think>` at once: longarith's
+answer is worked already). Training gets it
 only where a config asks (`thinking_share`).
 
     arith    What is 47+38?       (thinking) -> 7+8=15 4+3+1=8</think> 47+38=85
@@ -156,21 +162,41 @@ def _recall_two_keys(rng: np.random.Generator) -> Problem:
     return _recall_problem(pairs, sorted(asked) if rng.random() < 0.5 else asked)
 
 
-def _sortrev(rng: np.random.Generator) -> Problem:
-    xs = _digits(rng, 3, 8)
+def _sortrev(rng: np.random.Generator, lo: int = 3, hi: int = 8) -> Problem:
+    xs = _digits(rng, lo, hi)
     return Problem("Sort and reverse: " + " ".join(map(str, xs)),
                    " ".join(map(str, sorted(xs)[::-1])), " ".join(map(str, sorted(xs))))
 
 
-def _arith_trace(a: int, op: str, b: int) -> str:
-    """Column by column, units first: `7+8=15 4+3+1=8` (47+38); `17-8=9 4-1-3=0` (47-38)."""
-    (ta, ua), (tb, ub) = divmod(a, 10), divmod(b, 10)
-    if op == "+":
-        carry = "+1" if ua + ub >= 10 else ""
-        return f"{ua}+{ub}={ua + ub} {ta}+{tb}{carry}={ta + tb + (ua + ub >= 10)}"
-    if ua < ub:
-        return f"{ua + 10}-{ub}={ua + 10 - ub} {ta}-1-{tb}={ta - 1 - tb}"
-    return f"{ua}-{ub}={ua - ub} {ta}-{tb}={ta - tb}"
+def _arith_trace(a: int, op: str, b: int, width: int = 2) -> str:
+    """Column by column, units first, `width` columns: `7+8=15 4+3+1=8` (47+38, a carry in as
+    +1); `17-8=9 4-1-3=0` (47-38: a column that borrows shows its digit plus 10, the next one
+    pays the borrow as -1). Needs a >= b for `-`."""
+    steps, carry = [], 0
+    for i in range(width):
+        x, y = a // 10**i % 10, b // 10**i % 10
+        pay = "+1" if op == "+" and carry else "-1" if carry else ""
+        if op == "+":
+            value = x + y + carry
+            steps.append(f"{x}+{y}{pay}={value}")
+            carry = int(value >= 10)
+        else:
+            borrow = int(x - carry - y < 0)
+            steps.append(f"{x + 10 * borrow}{pay}-{y}={x + 10 * borrow - carry - y}")
+            carry = borrow
+    return " ".join(steps)
+
+
+def _long_arith(rng: np.random.Generator) -> Problem:
+    """Three-digit + or - whose answer is worked: the columns with their carries or borrows,
+    then the result (`What is 347+586?` -> `7+6=13 4+8+1=13 3+5+1=9 347+586=933`)."""
+    a, b = int(rng.integers(100, 1000)), int(rng.integers(100, 1000))
+    op = "+" if rng.random() < 0.5 else "-"
+    if op == "-":
+        a, b = max(a, b), min(a, b)
+    result = a + b if op == "+" else a - b
+    return Problem(f"What is {a}{op}{b}?",
+                   f"{_arith_trace(a, op, b, width=3)} {a}{op}{b}={result}")
 
 
 TASKS: dict[str, Callable[[np.random.Generator], Problem]] = {
@@ -178,12 +204,20 @@ TASKS: dict[str, Callable[[np.random.Generator], Problem]] = {
     "longsort": functools.partial(_sort, lo=11, hi=20),
     "longreverse": functools.partial(_reverse, lo=11, hi=24)}
 
+# Tasks on trial: trained (configs/train/long-answers.yaml and the three after it) and evaluated
+# when named (`eval --task longarith`), but not in the suite (`all`, Table 1, the shipped models'
+# floors) until a shipped pair meets the bar on them (docs/training.md, "Long answers: a trial").
+TRIAL_TASKS: dict[str, Callable[[np.random.Generator], Problem]] = {
+    "longarith": _long_arith, "longsortrev": functools.partial(_sortrev, lo=11, hi=20)}
+# What eval may name.
+EVAL_TASKS = {**TASKS, **TRIAL_TASKS}
+
 
 # Training-only drills: questions of an evaluated task's kind, drawn to train one skill (never
 # evaluated; a held-out question of the task is held out of its drill too, by the same hash).
 DRILLS: dict[str, Callable[[np.random.Generator], Problem]] = {"recall2": _recall_two_keys}
 # What a training config may name.
-TRAIN_TASKS = {**TASKS, **DRILLS}
+TRAIN_TASKS = {**EVAL_TASKS, **DRILLS}
 
 
 def is_heldout(question: str) -> bool:
