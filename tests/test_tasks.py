@@ -302,3 +302,9 @@ def test_trial_tasks_are_evaluated_by_name_only():
     sums = [ex for ex in tasks.heldout("longarith", 200)]
     assert all(solve(turns(ex)[-1][1]) == ex.answer for ex in sums)
     assert {ex.answer.split()[-1][3] for ex in sums} == {"+", "-"}
+    # the borrowing drill: longarith's subtractions only, trained, never evaluated
+    for ex, _ in zip(tasks.examples(["longsub"], seed=2), range(300)):
+        question = turns(ex)[-1][1]
+        assert "-" in question and solve(question) == ex.answer and not tasks.is_heldout(question)
+    with pytest.raises(UserError, match="unknown task.*longsub"):
+        task_names("longsub", 5)

@@ -19,6 +19,7 @@ so accuracy on the held-out split measures generalisation.
     longsortrev  Sort and reverse: 11-20 digits  -> 3-6 blocks
 
     recall2  (a training-only drill) recall asking exactly two keys, mostly in list order
+    longsub  (a training-only drill) longarith's subtractions only (the borrowing columns)
 
 The long tasks' answers span several 8-token blocks, which is where decoding the next block
 early (MultiBD) has room to pay: they exist for that (the first five are the shipped pipeline's
@@ -187,11 +188,12 @@ def _arith_trace(a: int, op: str, b: int, width: int = 2) -> str:
     return " ".join(steps)
 
 
-def _long_arith(rng: np.random.Generator) -> Problem:
+def _long_arith(rng: np.random.Generator, minus_only: bool = False) -> Problem:
     """Three-digit + or - whose answer is worked: the columns with their carries or borrows,
-    then the result (`What is 347+586?` -> `7+6=13 4+8+1=13 3+5+1=9 347+586=933`)."""
+    then the result (`What is 347+586?` -> `7+6=13 4+8+1=13 3+5+1=9 347+586=933`).
+    minus_only: subtractions only (the draws are the same, a sum's turned into a difference)."""
     a, b = int(rng.integers(100, 1000)), int(rng.integers(100, 1000))
-    op = "+" if rng.random() < 0.5 else "-"
+    op = "+" if rng.random() < 0.5 and not minus_only else "-"
     if op == "-":
         a, b = max(a, b), min(a, b)
     result = a + b if op == "+" else a - b
@@ -215,7 +217,8 @@ EVAL_TASKS = {**TASKS, **TRIAL_TASKS}
 
 # Training-only drills: questions of an evaluated task's kind, drawn to train one skill (never
 # evaluated; a held-out question of the task is held out of its drill too, by the same hash).
-DRILLS: dict[str, Callable[[np.random.Generator], Problem]] = {"recall2": _recall_two_keys}
+DRILLS: dict[str, Callable[[np.random.Generator], Problem]] = {
+    "recall2": _recall_two_keys, "longsub": functools.partial(_long_arith, minus_only=True)}
 # What a training config may name.
 TRAIN_TASKS = {**EVAL_TASKS, **DRILLS}
 
