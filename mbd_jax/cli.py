@@ -436,8 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     from mbd_jax.train import tasks
 
     e.add_argument("--task", default="all",
-                   help=f"{', '.join(tasks.TASKS)}, a comma list, or all (default: all, the "
-                        f"suite); on trial, by name only: {', '.join(tasks.TRIAL_TASKS)}")
+                   help=f"{tasks.EVAL_TASKS_HELP} (default: all)")
     e.add_argument("--format", default="chat", choices=tasks.FORMATS,
                    help="how each question reaches the model: a chat turn, after a system line, "
                         "after an earlier turn, or raw text with no template (default: chat)")

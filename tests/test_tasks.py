@@ -25,7 +25,9 @@ def solve(question: str) -> str:
     if m := re.fullmatch(r"What is (\d+)([+-])(\d+)\?", question):
         a, op, b = int(m[1]), m[2], int(m[3])
         result = f"{a}{op}{b}={a + b if op == '+' else a - b}"
-        return f"{worked_columns(m[1], op, m[3])} {result}" if len(m[1]) == len(m[3]) == 3 else result
+        if len(m[1]) == len(m[3]) == 3:  # longarith: the worked columns first
+            return f"{worked_columns(m[1], op, m[3])} {result}"
+        return result
     if m := re.fullmatch(r"Sort and reverse: ([\d ]+)", question):
         return " ".join(sorted(m[1].split(), reverse=True))
     if m := re.fullmatch(r"Sort: ([\d ]+)", question):

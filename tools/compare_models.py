@@ -38,8 +38,7 @@ def main() -> None:
     ap.add_argument("--formats", default="chat", help=f"comma-separated: {', '.join(tasks.FORMATS)}")
     ap.add_argument("--limit", type=int, default=20, help="held-out prompts per task")
     ap.add_argument("--tasks", default="all",
-                    help=f"comma-separated: {', '.join(tasks.EVAL_TASKS)}; or all (the suite: "
-                         f"the first {len(tasks.TASKS)}; default)")
+                    help=f"{tasks.EVAL_TASKS_HELP} (default: all)")
     ap.add_argument("--batch-size", type=int_at_least(1), default=16)
     for flag in ("threshold", "semi-complete-threshold", "add-block-threshold"):
         ap.add_argument(f"--{flag}", help="comma-separated values (default: table1_decode's)")

@@ -29,7 +29,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", required=True, help="comma-separated MODEL:N_BUF pairs")
     ap.add_argument("--tasks", default="sort,sortrev,reverse",
-                    help=f"comma-separated: {', '.join(tasks.EVAL_TASKS)}; or all (the suite: the first {len(tasks.TASKS)})")
+                    help=tasks.EVAL_TASKS_HELP)
     ap.add_argument("--limit", type=int, default=60, help="held-out prompts per task")
     ap.add_argument("--batch-size", type=int_at_least(1), default=16)
     args = ap.parse_args()

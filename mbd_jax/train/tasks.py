@@ -211,8 +211,10 @@ TASKS: dict[str, Callable[[np.random.Generator], Problem]] = {
 # floors) until a shipped pair meets the bar on them (docs/training.md, "Long answers: a trial").
 TRIAL_TASKS: dict[str, Callable[[np.random.Generator], Problem]] = {
     "longarith": _long_arith, "longsortrev": functools.partial(_sortrev, lo=11, hi=20)}
-# What eval may name.
+# What eval may name, and how a --task flag says so.
 EVAL_TASKS = {**TASKS, **TRIAL_TASKS}
+EVAL_TASKS_HELP = (f"comma-separated: {', '.join(TASKS)}, or all (these: the suite); on trial, by "
+                   f"name only: {', '.join(TRIAL_TASKS)}")
 
 
 # Training-only drills: questions of an evaluated task's kind, drawn to train one skill (never
