@@ -41,10 +41,12 @@ def solve(question: str) -> str:
 
 
 def worked_columns(a: str, op: str, b: str) -> str:
-    """Pencil-and-paper columns of two three-digit numbers, units first: each column's digits,
-    a carry in as `+1` (a borrow paid as `-1`), a digit that borrows written plus 10."""
+    """Pencil-and-paper columns of two numbers written to the same width, units first: each
+    column's digits, a carry in as `+1` (a borrow paid as `-1`), a digit that borrows written
+    plus 10 (arith's thinking trace, two columns; longarith's answer, three)."""
+    width = max(len(a), len(b))
     out, carry = [], 0
-    for x, y in zip(map(int, reversed(a)), map(int, reversed(b))):
+    for x, y in zip(map(int, reversed(a.zfill(width))), map(int, reversed(b.zfill(width)))):
         if op == "+":
             out.append(f"{x}+{y}" + "+1" * carry + f"={x + y + carry}")
             carry = (x + y + carry) // 10
@@ -64,26 +66,15 @@ def turns(ex: tasks.Example) -> list[tuple[str, str]]:
 
 
 def check_trace(ex: tasks.Example) -> None:
-    """A thinking reply's trace does the work it claims: every arith column adds up (with the
-    carry or borrow it names) and the columns spell the answer; sortrev's trace is the sorted
-    list (longsortrev's too); the other tasks think nothing."""
+    """A thinking reply's trace does the work it claims: arith's columns are the pencil-and-paper
+    ones (worked_columns: the carries and borrows) and spell the answer; sortrev's trace is the
+    sorted list (longsortrev's too); the other tasks think nothing."""
     question = turns(ex)[-1][1]
     if ex.task == "arith":
-        columns = ex.reasoning.split()
-        assert len(columns) == 2, ex
         a, op, b = re.fullmatch(r"What is (\d+)([+-])(\d+)\?", question).groups()
-        (ta, ua), (tb, ub) = divmod(int(a), 10), divmod(int(b), 10)
-        (lhs0, units), (lhs1, tens) = (col.split("=") for col in columns)
-        units_terms = [int(t) for t in re.findall(r"[+-]?\d+", lhs0)]
-        tens_terms = [int(t) for t in re.findall(r"[+-]?\d+", lhs1)]
-        assert sum(units_terms) == int(units) and sum(tens_terms) == int(tens), ex  # it adds up
-        if op == "+":
-            assert units_terms == [ua, ub], ex
-            assert tens_terms == [ta, tb] + ([1] if ua + ub >= 10 else []), ex  # the carry
-        else:
-            assert units_terms == [ua + (10 if ua < ub else 0), -ub], ex
-            assert tens_terms == [ta] + ([-1] if ua < ub else []) + [-tb], ex  # the borrow
-        assert ex.answer.endswith(f"={int(tens) * 10 + int(units) % 10}"), ex  # it spells the answer
+        assert ex.reasoning == worked_columns(a.zfill(2), op, b.zfill(2)), ex
+        tens, units = (int(col.split("=")[1]) for col in ex.reasoning.split()[::-1])
+        assert ex.answer.endswith(f"={tens * 10 + units % 10}"), ex  # it spells the answer
     elif ex.task in ("sortrev", "longsortrev"):
         assert ex.reasoning == " ".join(sorted(question.split(": ")[1].split())), ex
     else:
@@ -301,7 +292,7 @@ def test_trial_tasks_are_evaluated_by_name_only():
     assert task_names("longarith,sort", 5) == ["longarith", "sort"]
     with pytest.raises(UserError, match="unknown task.*longsum.*allowed: .*longsortrev"):
         task_names("longsum", 5)
-    sums = [ex for ex in tasks.heldout("longarith", 200)]
+    sums = tasks.heldout("longarith", 200)
     assert all(solve(turns(ex)[-1][1]) == ex.answer for ex in sums)
     assert {ex.answer.split()[-1][3] for ex in sums} == {"+", "-"}
     # the borrowing drill: longarith's subtractions only, trained, never evaluated

@@ -206,9 +206,10 @@ TASKS: dict[str, Callable[[np.random.Generator], Problem]] = {
     "longsort": functools.partial(_sort, lo=11, hi=20),
     "longreverse": functools.partial(_reverse, lo=11, hi=24)}
 
-# Tasks on trial: trained (configs/train/long-answers.yaml and the three after it) and evaluated
-# when named (`eval --task longarith`), but not in the suite (`all`, Table 1, the shipped models'
-# floors) until a shipped pair meets the bar on them (docs/training.md, "Long answers: a trial").
+# Tasks on trial: trained (the trial configs: long-answers, long-arith-drill, longsub, long-mix,
+# long-mix-borrow, long-mbd, long-mbd-full) and evaluated when named (`eval --task longarith`),
+# but not in the suite (`all`, Table 1, the shipped models' floors) until a shipped pair meets the
+# bar on them (docs/training.md, "Long answers: a trial").
 TRIAL_TASKS: dict[str, Callable[[np.random.Generator], Problem]] = {
     "longarith": _long_arith, "longsortrev": functools.partial(_sortrev, lo=11, hi=20)}
 # What eval may name, and how a --task flag says so.
