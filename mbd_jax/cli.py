@@ -34,7 +34,8 @@ def int_at_least(low: int):
 def _add_decode_flags(p: argparse.ArgumentParser, buffer_size_list: bool = False) -> None:
     import typing
 
-    from mbd_jax.config import SamplingMode, UnmaskPolicy, VoteExtractor, VoteWeighting
+    from mbd_jax.config import (EditConfirm, SamplingMode, UnmaskPolicy, VoteExtractor,
+                                VoteWeighting)
 
     g = p.add_argument_group("decoding (see DecodeConfig)")
     g.add_argument("--max-new-tokens", type=int, help="tokens to generate at most (default 128)")
@@ -56,6 +57,10 @@ def _add_decode_flags(p: argparse.ArgumentParser, buffer_size_list: bool = False
                    help="edit: also rewrite filled tokens the model changes its mind on")
     g.add_argument("--edit-threshold", type=float, help="edit: rewrite above this confidence")
     g.add_argument("--max-post-edit-steps", type=int, help="edit: extra steps before a block is final")
+    g.add_argument("--edit-confirm", choices=typing.get_args(EditConfirm),
+                   help="edit: which blocks wait for a forward that changes nothing in them: "
+                        "always (default), or only those written before the blocks ahead were "
+                        "complete (context)")
     g.add_argument("--vote", choices=typing.get_args(VoteWeighting),
                    help="temporal self-consistency voting with this step weighting")
     g.add_argument("--vote-alpha", type=float, help="exp weighting alpha (default 5)")
@@ -130,6 +135,7 @@ def _decode_config(args: argparse.Namespace):
     flags = dict(
         policy=args.policy, factor=args.factor, sampling_mode=args.sampling_mode,
         edit_threshold=args.edit_threshold, max_post_edit_steps=args.max_post_edit_steps,
+        edit_confirm=args.edit_confirm,
         voting=voting,
         buffer_size=args.buffer_size, accept_threshold=args.accept_threshold,
         add_block_threshold=args.add_block_threshold,

@@ -97,6 +97,8 @@ BlockMode = Literal["causal", "bidirectional"]
 RopeType = Literal["linear", "yarn", "llama3"]  # static rope scalings (model/rope.py)
 UnmaskPolicy = Literal["threshold", "fixed_steps", "factor"]  # decoding/policy.py
 SamplingMode = Literal["naive", "edit"]
+# edit mode: which blocks wait for a forward that changes nothing in them (decoding/block_buffer.py)
+EditConfirm = Literal["always", "context"]
 VoteWeighting = Literal["fixed", "linear", "exp"]  # decoding/voting.py
 VoteExtractor = Literal["last_number", "boxed", "regex"]
 
@@ -608,6 +610,9 @@ class DecodeConfig:
     sampling_mode: SamplingMode = "naive"
     edit_threshold: float = 0.5  # edit: rewrite a filled token when another is this confident
     max_post_edit_steps: int = 16  # edit: a block is final after block_size + this many steps
+    # edit: "always": every block waits for a forward that changes nothing in it; "context": only
+    # a block last written while an earlier block still had a MASK, or edited, waits for one
+    edit_confirm: EditConfirm = "always"
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # sample among the k most likely tokens; 0 = no limit
     top_p: float = 1.0

@@ -67,6 +67,8 @@ def test_decode_config_validation():
         decode_config(top_p=0.0)
     with pytest.raises(ConfigError, match="'policy' must be one of 'threshold', 'fixed_steps'"):
         decode_config(policy="factor?")
+    with pytest.raises(ConfigError, match="'edit_confirm' must be one of 'always', 'context'"):
+        decode_config(edit_confirm="never")
     with pytest.raises(ConfigError, match="'max_new_tokens' must be in \\[1, "):
         decode_config(max_new_tokens=0)
 

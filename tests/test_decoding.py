@@ -212,16 +212,23 @@ def test_eos_stops_generation(cfg, params):
         assert r.finish_reason == "stop" and r.token_ids == [] and r.nfe == 1
 
 
-def _state_after(engine, prompt_len, window_tokens, n_valid, limit=100):
-    """Runs `advance` on a hand-made window (blk 8, N 2) and returns the new state."""
+def _state_after(engine, prompt_len, window_tokens, n_valid, limit=100, decode=None, before=None,
+                 edited=()):
+    """Runs `advance` on a hand-made window (blk 8, N 2) and returns the new state. `before`: the
+    window as the forward found it (default: as admitted, all MASK); `edited`: window positions
+    the forward rewrote."""
     cfg = engine.cfg
     prompt = np.arange(10, 10 + prompt_len, dtype=np.int32)
-    st = engine.initial_state([prompt], [DecodeConfig(max_new_tokens=limit - prompt_len, buffer_size=2)])
+    decode = decode or DecodeConfig(buffer_size=2)
+    st = engine.initial_state([prompt], [dataclasses.replace(decode, max_new_tokens=limit - prompt_len)])
     st = st.replace(n_valid=jnp.array([n_valid]))
+    if before is not None:
+        st = st.replace(canvas=block_buffer.put_window(st, jnp.asarray([before], jnp.int32), st.canvas))
     old = block_buffer.window(st, 16)
     new = jnp.asarray([window_tokens], jnp.int32)
-    return block_buffer.advance(st, new, new != old, jnp.zeros_like(new, bool), new, block_size=8,
-                                n_slots=2, eos_ids=cfg.eos_token_ids, mask_token_id=cfg.mask_token_id)
+    edit = jnp.zeros_like(new, bool).at[0, list(edited)].set(True)
+    return block_buffer.advance(st, new, (new != old) & ~edit, edit, new, block_size=8, n_slots=2,
+                                eos_ids=cfg.eos_token_ids, mask_token_id=cfg.mask_token_id)
 
 
 def test_stop_waits_for_the_prefix_before_eos(engine4):
@@ -237,6 +244,34 @@ def test_stop_waits_for_the_prefix_before_eos(engine4):
     st = _state_after(engine4, 8, list(range(20, 28)) + [m] * 8, n_valid=1)
     assert not bool(st.done[0])
     assert (int(st.n_to_cache[0]), int(st.n_valid[0])) == (1, 2)
+
+
+@pytest.mark.parametrize("confirm", ["always", "context"])
+def test_edit_mode_confirms_blocks_by_rule(engine4, confirm):
+    """Edit mode: with "always" a block is final only after a forward that changed nothing in it;
+    with "context" also when the forward that wrote it saw every earlier block complete and
+    unedited, so only a block written ahead of an unfinished one waits for a confirming forward."""
+    m, e = engine4.cfg.mask_token_id, engine4.cfg.eos_token_ids[0]
+    d = DecodeConfig(buffer_size=2, sampling_mode="edit", edit_confirm=confirm)
+    ahead = confirm == "context"  # what the context rule finalises that "always" does not
+    b0, b1 = list(range(20, 28)), list(range(30, 38))
+    # Both blocks written by one forward: block 0 saw the whole prompt, block 1 a masked block 0.
+    st = _state_after(engine4, 8, b0 + b1, n_valid=2, decode=d)
+    assert int(st.n_to_cache[0]) == (1 if ahead else 0)
+    # Block 0 was complete before the forward that wrote block 1: both final under "context".
+    st = _state_after(engine4, 8, b0 + b1, n_valid=2, decode=d, before=b0 + [m] * 8)
+    assert int(st.n_to_cache[0]) == (2 if ahead else 1)
+    # The same forward also edited block 0: neither block is final, under either rule.
+    st = _state_after(engine4, 8, [21] + b0[1:] + b1, n_valid=2, decode=d, before=b0 + [m] * 8,
+                      edited=[0])
+    assert int(st.n_to_cache[0]) == 0
+    # A one-block answer written with the prompt complete ends at once under "context"; "always"
+    # spends one more forward to confirm it.
+    st = _state_after(engine4, 8, [20, 21, e] + [m] * 13, n_valid=1, decode=d)
+    assert bool(st.done[0]) == ahead
+    # Naive mode finalises all of these as soon as they are full (the reference point).
+    st = _state_after(engine4, 8, b0 + b1, n_valid=2, decode=dataclasses.replace(d, sampling_mode="naive"))
+    assert int(st.n_to_cache[0]) == 2
 
 
 def test_bad_prompts_name_the_limit(engine4):

@@ -77,8 +77,10 @@ def test_multibd_cache_is_exact(cfg, params, debug_engine):
     dataclasses.replace(MULTI, policy="fixed_steps", steps_per_block=2),
     dataclasses.replace(MULTI, policy="factor", factor=2.0, temperature=0.9, seed=4),
     dataclasses.replace(MULTI, sampling_mode="edit", edit_threshold=0.05, accept_threshold=0.1),
+    dataclasses.replace(MULTI, sampling_mode="edit", edit_confirm="context", edit_threshold=0.05,
+                        accept_threshold=0.1),
     dataclasses.replace(MULTI, buffer_size=1),
-], ids=["threshold", "fixed_steps", "factor-sampled", "edit", "n1"])
+], ids=["threshold", "fixed_steps", "factor-sampled", "edit", "edit-context", "n1"])
 def test_invariants_hold_every_step(debug_engine, decode):
     res = debug_engine.generate(PROMPTS, decode)  # raises if any step broke an invariant
     assert all(r.finish_reason in ("length", "stop") for r in res)

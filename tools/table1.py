@@ -1,18 +1,22 @@
 """The shape of the MBD paper's Table 1 on the shipped tiny models, in one run on the same prompts.
 
     python tools/table1.py [--limit 50] [--thresholds 0.5,0.7,0.8,0.9,0.95,0.99] [--plot docs/table1.png]
-                           [--bd tiny-bd] [--mbd tiny-mbd] > run.json
+                           [--bd tiny-bd] [--mbd tiny-mbd] [--tasks all] > run.json
     python tools/table1.py --plot-from run.json --plot docs/table1.png   # redraw, no run
 
 Rows: SingleBD (the BD model, N_buf 1), training-free MultiBD (the BD model, N_buf N), MBD (the
 MultiTF model, N_buf N; N: --buffer-size, default the G_max the MultiTF model was trained with,
-from its manifest, as the paper decodes with N_buf = G_max), MBD with the edit sampling mode, with the factor policy and with the
-thinking switch on (the same questions; the answer after the worked trace is checked, and the
-trace's tokens count as output), and the MultiTF model with SingleBD for reference. Columns: accuracy, TPF, tokens/s per task and pooled
-over every task's held-out split (`limit` prompts per task, the chat format). The main table
-uses accept threshold 0.95; every threshold in --thresholds gives one point of the
-accuracy-vs-TPF plot (rows with the threshold policy). --bd / --mbd take any model (a run's
-output directory before it ships). Prints JSON (stdout) and tables (stderr).
+from its manifest, as the paper decodes with N_buf = G_max), MBD with the edit sampling mode
+(every block confirmed by a forward that changes nothing in it, then only the blocks written
+ahead of an unfinished one: edit_confirm "context"), with the factor policy, with the factor
+policy at f = 2 and the context-confirmed edit mode together, with the thinking switch on (the
+same questions; the answer after the worked trace is checked, and the trace's tokens count as
+output), and the MultiTF model with SingleBD for reference. Columns: accuracy, TPF, tokens/s per
+task and pooled over every task's held-out split (`limit` prompts per task, the chat format;
+--tasks: the suite by default, or any tasks eval takes, the trial's too). The main table uses
+accept threshold 0.95; every threshold in --thresholds gives one point of the accuracy-vs-TPF
+plot (rows with the threshold policy). --bd / --mbd take any model (a run's output directory
+before it ships). Prints JSON (stdout) and tables (stderr).
 """
 
 from __future__ import annotations
@@ -31,7 +35,11 @@ ROWS = [  # (label, which model, N_buf, decode settings beyond the threshold pol
     ("training-free MultiBD", "bd", MULTI, {}, "chat"),
     ("MBD (MultiTF + MultiBD)", "mbd", MULTI, {}, "chat"),
     ("MBD, edit mode", "mbd", MULTI, {"sampling_mode": "edit"}, "chat"),
+    ("MBD, edit mode, context confirm", "mbd", MULTI,
+     {"sampling_mode": "edit", "edit_confirm": "context"}, "chat"),
     ("MBD, factor policy", "mbd", MULTI, {"policy": "factor", "factor": 1.0}, "chat"),
+    ("MBD, factor 2 + edit (context)", "mbd", MULTI,
+     {"policy": "factor", "factor": 2.0, "sampling_mode": "edit", "edit_confirm": "context"}, "chat"),
     ("MBD, thinking on", "mbd", MULTI, {}, "thinking"),
     ("MultiTF model, SingleBD", "mbd", 1, {}, "chat"),
 ]
@@ -50,7 +58,8 @@ def main() -> None:
     from mbd_jax.checkpoint import load_model
     from mbd_jax.cli import int_at_least
     from mbd_jax.engine import Engine
-    from mbd_jax.evaluate import evaluate_tasks, pool, table1_decode
+    from mbd_jax.errors import UserError
+    from mbd_jax.evaluate import evaluate_tasks, pool, table1_decode, task_names
     from mbd_jax.train import tasks
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -61,6 +70,7 @@ def main() -> None:
     ap.add_argument("--semi-complete-threshold", type=float, help="default: table1_decode's")
     ap.add_argument("--max-new-tokens", type=int, help="default: table1_decode's")
     ap.add_argument("--batch-size", type=int_at_least(1), default=16)
+    ap.add_argument("--tasks", default="all", help=f"{tasks.EVAL_TASKS_HELP} (default: all)")
     ap.add_argument("--bd", default="tiny-bd", help="the block-diffusion (SingleBD) model")
     ap.add_argument("--mbd", default="tiny-mbd", help="the MultiTF post-trained model")
     ap.add_argument("--buffer-size", type=int_at_least(2),
@@ -84,11 +94,14 @@ def main() -> None:
         plot(results, args.plot)
         return
     thresholds = sorted({float(t) for t in args.thresholds.split(",")} | {args.main_threshold})
+    try:
+        names = task_names(args.tasks, args.limit, where="--tasks")
+    except UserError as e:
+        ap.error(str(e))
 
     models = {"bd": load_model(args.bd), "mbd": load_model(args.mbd)}
     multi = args.buffer_size or trained_g_max(models["mbd"]) or 2
     print(f"MultiBD rows: N_buf {multi}", file=sys.stderr)
-    names = list(tasks.TASKS)
     out = []
     for label, which, n_buf, extra, fmt in ROWS:
         n_buf = multi if n_buf == MULTI else n_buf
@@ -103,13 +116,13 @@ def main() -> None:
                                    add_block_threshold=args.add_block_threshold,
                                    semi_complete_threshold=args.semi_complete_threshold,
                                    max_new_tokens=args.max_new_tokens, **extra)
-            reports = evaluate_tasks(model, decode, engine, limit=args.limit, fmt=fmt)
+            reports = evaluate_tasks(model, decode, engine, limit=args.limit, fmt=fmt, names=names)
             row = {"row": label, "model": str(model.path.parent), "buffer_size": n_buf,
                    "accept_threshold": tau, "format": fmt, **extra, **pool(reports),
                    "tasks": {r.task: {"accuracy": r.accuracy, "tpf": r.tpf,
                                       "tokens_per_s": r.tokens_per_s} for r in reports}}
             out.append(row)
-            print(f"{label:26s} tau={tau:.2f} acc={row['accuracy']:.3f} tpf={row['tpf']:.2f} "
+            print(f"{label:32s} tau={tau:.2f} acc={row['accuracy']:.3f} tpf={row['tpf']:.2f} "
                   f"tok/s={row['tokens_per_s']:.0f}", file=sys.stderr, flush=True)
     main_rows = [o for o in out if o["accept_threshold"] == args.main_threshold]
     base = main_rows[0]

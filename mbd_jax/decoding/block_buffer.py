@@ -12,8 +12,11 @@ so TO_CACHE slots always form a prefix and DUMMY slots a suffix. Committing n_to
 `cached_len += n_to_cache * blk`: the window moves, nothing is copied. N = 1 is SingleBD.
 
 A block is *final* when it has no MASK left and, in edit mode, the last forward changed nothing
-in it (or it has been active for block_size + max_post_edit_steps steps). A final block whose
-predecessors are final becomes TO_CACHE.
+in it (or it has been active for block_size + max_post_edit_steps steps). With edit_confirm
+"context" a block is also final when the last forward only unmasked tokens in it and saw every
+block before it complete and unedited: only a block written while an earlier one still had a MASK
+(the MultiBD case: a later block guessing ahead) waits for a forward that confirms it. A final
+block whose predecessors are final becomes TO_CACHE.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class RowParams:
     edit: jax.Array  # bool: sampling_mode == "edit"
     edit_threshold: jax.Array
     max_block_steps: jax.Array  # edit: block_size + max_post_edit_steps
+    confirm_on_context: jax.Array  # bool: edit_confirm == "context"
     temperature: jax.Array
     top_k: jax.Array  # 0: no limit
     top_p: jax.Array
@@ -125,9 +129,16 @@ def advance(state: DecodeState, new_window: jax.Array, filled_now: jax.Array, ed
     # Per-slot view of this step's result.
     filled_slots = filled.reshape(b, n, blk)
     fill = jnp.mean(filled_slots, axis=-1)  # [B, N]
-    changed = jnp.any((filled_now | edited).reshape(b, n, blk), axis=-1)
+    edited_slots = jnp.any(edited.reshape(b, n, blk), axis=-1)  # [B, N]
+    changed = jnp.any(filled_now.reshape(b, n, blk), axis=-1) | edited_slots
+    # Every block before slot i had no MASK when this forward ran and was not edited by it.
+    clean = jnp.all((window(state, w) != mask_token_id).reshape(b, n, blk), axis=-1) & ~edited_slots
+    clean_before = jnp.cumprod(jnp.concatenate([jnp.ones((b, 1), bool), clean[:, :-1]], axis=1),
+                               axis=1).astype(bool)
+    confirmed_by_context = p.confirm_on_context[:, None] & clean_before & ~edited_slots
     slot_steps = state.slot_steps + (active & live[:, None])
-    settled = ~p.edit[:, None] | ~changed | (slot_steps >= p.max_block_steps[:, None])
+    settled = (~p.edit[:, None] | ~changed | confirmed_by_context
+               | (slot_steps >= p.max_block_steps[:, None]))
     final = jnp.all(filled_slots, axis=-1) & settled  # [B, N]
     kept = filled_slots & (greedy.reshape(b, n, blk) == new_window.reshape(b, n, blk))
     stability = jnp.sum(kept, -1) / jnp.maximum(jnp.sum(filled_slots, -1), 1)

@@ -124,6 +124,7 @@ def row_params(cfg: ModelConfig, prompts: list[np.ndarray], decodes: list[Decode
         edit=col(lambda d: d.sampling_mode == "edit", bool),
         edit_threshold=col(lambda d: d.edit_threshold),
         max_block_steps=col(lambda d: cfg.block_size + d.max_post_edit_steps, np.int32),
+        confirm_on_context=col(lambda d: d.edit_confirm == "context", bool),
         temperature=col(lambda d: d.temperature),
         top_k=col(lambda d: d.top_k, np.int32),
         top_p=col(lambda d: d.top_p),
