@@ -34,8 +34,8 @@ def int_at_least(low: int):
 def _add_decode_flags(p: argparse.ArgumentParser, buffer_size_list: bool = False) -> None:
     import typing
 
-    from mbd_jax.config import (EditConfirm, SamplingMode, UnmaskPolicy, VoteExtractor,
-                                VoteWeighting)
+    from mbd_jax.config import (BlockActivation, EditConfirm, SamplingMode, UnmaskPolicy,
+                                VoteExtractor, VoteWeighting)
 
     g = p.add_argument_group("decoding (see DecodeConfig)")
     g.add_argument("--max-new-tokens", type=int, help="tokens to generate at most (default 128)")
@@ -48,6 +48,9 @@ def _add_decode_flags(p: argparse.ArgumentParser, buffer_size_list: bool = False
     else:
         g.add_argument("--buffer-size", type=int, help="N_buf, blocks decoded at once (1 = SingleBD)")
     g.add_argument("--add-block-threshold", type=float, help="tau_add (default 0.1)")
+    g.add_argument("--block-activation", choices=typing.get_args(BlockActivation),
+                   help="progress: the next block joins once the last is tau_add full, one per "
+                        "forward (default); eager: every slot of the buffer at once")
     g.add_argument("--semi-complete-threshold", type=float, help="tau_semi (default 0.9)")
     g.add_argument("--token-stability-threshold", type=float, help="tau_stable (default 0)")
     g.add_argument("--policy", choices=typing.get_args(UnmaskPolicy), help="unmask rule")
@@ -135,7 +138,7 @@ def _decode_config(args: argparse.Namespace):
     flags = dict(
         policy=args.policy, factor=args.factor, sampling_mode=args.sampling_mode,
         edit_threshold=args.edit_threshold, max_post_edit_steps=args.max_post_edit_steps,
-        edit_confirm=args.edit_confirm,
+        edit_confirm=args.edit_confirm, block_activation=args.block_activation,
         voting=voting,
         buffer_size=args.buffer_size, accept_threshold=args.accept_threshold,
         add_block_threshold=args.add_block_threshold,

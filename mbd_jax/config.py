@@ -97,6 +97,7 @@ BlockMode = Literal["causal", "bidirectional"]
 RopeType = Literal["linear", "yarn", "llama3"]  # static rope scalings (model/rope.py)
 UnmaskPolicy = Literal["threshold", "fixed_steps", "factor"]  # decoding/policy.py
 SamplingMode = Literal["naive", "edit"]
+BlockActivation = Literal["progress", "eager"]  # when MultiBD's next block joins (decoding/block_buffer.py)
 # edit mode: which blocks wait for a forward that changes nothing in them (decoding/block_buffer.py)
 EditConfirm = Literal["always", "context"]
 VoteWeighting = Literal["fixed", "linear", "exp"]  # decoding/voting.py
@@ -602,6 +603,10 @@ class DecodeConfig:
     buffer_size: int = 1  # N_buf: blocks decoded at once
     accept_threshold: float = 0.95  # tau_accept: accept masked positions more confident than this
     add_block_threshold: float = 0.1  # tau_add: activate the next block once the last is this full
+    # "progress": the next block joins when the last is tau_add full (and tau_stable stable), one
+    # per forward (the paper's rule); "eager": every free slot whose block starts before the limit
+    # is active at once, from the first forward on (the thresholds above unused)
+    block_activation: BlockActivation = "progress"
     semi_complete_threshold: float = 0.9  # tau_semi: a block's top-1 fallback needs this much of its predecessor
     token_stability_threshold: float = 0.0  # tau_stable: share of the last block the model keeps
     policy: UnmaskPolicy = "threshold"

@@ -69,6 +69,8 @@ def test_decode_config_validation():
         decode_config(policy="factor?")
     with pytest.raises(ConfigError, match="'edit_confirm' must be one of 'always', 'context'"):
         decode_config(edit_confirm="never")
+    with pytest.raises(ConfigError, match="'block_activation' must be one of 'progress', 'eager'"):
+        decode_config(block_activation="lazy")
     with pytest.raises(ConfigError, match="'max_new_tokens' must be in \\[1, "):
         decode_config(max_new_tokens=0)
 

@@ -181,6 +181,27 @@ def test_fixed_steps_forward_counts_singlebd_vs_multibd(engine4):
     assert (s.nfe, s.bubble_forwards, s.tokens_unmasked, s.max_active_blocks) == (8, 2, 24, 1)
     assert (m.nfe, m.bubble_forwards, m.tokens_unmasked, m.max_active_blocks) == (5, 0, 24, 2)
     assert s.tpf == 3.0 and m.tpf == pytest.approx(24 / 5)
+    # Eager activation: blocks 1 and 2 from the first forward (2 steps fill both), a third
+    # forward stores them and unmasks nothing, the third block (the only one before the limit)
+    # then takes two: 5 forwards, one of them a bubble.
+    eager = dataclasses.replace(multi, block_activation="eager")
+    (e,) = engine4.generate(prompt, eager)
+    assert (e.nfe, e.bubble_forwards, e.tokens_unmasked, e.max_active_blocks) == (5, 1, 24, 2)
+    # 40 tokens: after that storing forward both slots open again (blocks 3 and 4), two fill
+    # them, one stores them, and block 5 takes two more: 8 forwards, two bubbles.
+    (e,) = engine4.generate(prompt, dataclasses.replace(eager, max_new_tokens=40))
+    assert (e.nfe, e.bubble_forwards, e.tokens_unmasked, e.max_active_blocks) == (8, 2, 40, 2)
+
+
+@pytest.mark.parametrize("max_new,progress,eager", [(24, 1, 2), (9, 1, 2), (8, 1, 1)])
+def test_eager_activation_opens_every_slot_before_the_limit(engine4, max_new, progress, eager):
+    """A row starts with one active block, or under eager activation with every slot whose block
+    starts before its limit (prompt of 8: the first block starts at 8, the second at 16)."""
+    d = DecodeConfig(max_new_tokens=max_new, buffer_size=2)
+    prompt = [np.arange(10, 18, dtype=np.int32)]
+    for decode, want in ((d, progress), (dataclasses.replace(d, block_activation="eager"), eager)):
+        st = engine4.initial_state(prompt, [decode])
+        assert int(st.n_valid[0]) == want, decode.block_activation
 
 
 def test_max_nfe_stops_with_the_filled_prefix(engine4):

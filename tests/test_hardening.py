@@ -129,13 +129,13 @@ FIELDS = ["prompt", "messages", "segments", "max_tokens", "max_completion_tokens
           "max_new_tokens", "temperature", "top_p", "seed", "stream", "stream_options", "model",
           "user", "n", "stop", "logprobs", "thinking", "decoding"]
 DECODE_FIELDS = ["buffer_size", "accept_threshold", "add_block_threshold", "policy",
-                 "steps_per_block", "factor", "sampling_mode", "edit_confirm", "max_post_edit_steps",
-                 "max_nfe", "temperature", "seed", "max_new_tokens", "voting"]
+                 "steps_per_block", "factor", "sampling_mode", "edit_confirm", "block_activation",
+                 "max_post_edit_steps", "max_nfe", "temperature", "seed", "max_new_tokens", "voting"]
 extreme_ints = st.sampled_from([0, 1, 2, 3, -1, 2**31 - 1, 2**31, 2**63, -(2**63), 10**30])
 extreme_floats = st.sampled_from([0.0, 0.5, 1.0, -0.0, 1e-300, 1e300, -1e300, 2.5, 800.0])
 scalars = st.one_of(st.none(), st.booleans(), extreme_ints, st.integers(-10**6, 10**6),
                     extreme_floats, st.floats(allow_nan=False, allow_infinity=False),
-                    st.text(max_size=12), st.sampled_from(["threshold", "edit", "context", "regex", "user"]))
+                    st.text(max_size=12), st.sampled_from(["threshold", "edit", "context", "eager", "regex", "user"]))
 values = st.recursive(scalars, lambda inner: st.one_of(
     st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)),
     max_leaves=6)

@@ -79,8 +79,9 @@ def test_multibd_cache_is_exact(cfg, params, debug_engine):
     dataclasses.replace(MULTI, sampling_mode="edit", edit_threshold=0.05, accept_threshold=0.1),
     dataclasses.replace(MULTI, sampling_mode="edit", edit_confirm="context", edit_threshold=0.05,
                         accept_threshold=0.1),
+    dataclasses.replace(MULTI, block_activation="eager", accept_threshold=0.5),
     dataclasses.replace(MULTI, buffer_size=1),
-], ids=["threshold", "fixed_steps", "factor-sampled", "edit", "edit-context", "n1"])
+], ids=["threshold", "fixed_steps", "factor-sampled", "edit", "edit-context", "eager", "n1"])
 def test_invariants_hold_every_step(debug_engine, decode):
     res = debug_engine.generate(PROMPTS, decode)  # raises if any step broke an invariant
     assert all(r.finish_reason in ("length", "stop") for r in res)

@@ -6,7 +6,9 @@
 
 Rows: SingleBD (the BD model, N_buf 1), training-free MultiBD (the BD model, N_buf N), MBD (the
 MultiTF model, N_buf N; N: --buffer-size, default the G_max the MultiTF model was trained with,
-from its manifest, as the paper decodes with N_buf = G_max), MBD with the edit sampling mode
+from its manifest, as the paper decodes with N_buf = G_max), both again with eager block
+activation (every slot of the buffer active at once rather than one more block per forward once
+the last is tau_add full), MBD eager with the factor policy, MBD with the edit sampling mode
 (every block confirmed by a forward that changes nothing in it, then only the blocks written
 ahead of an unfinished one: edit_confirm "context"), with the factor policy, with the factor
 policy at f = 2 and the context-confirmed edit mode together, with the thinking switch on (the
@@ -34,6 +36,10 @@ ROWS = [  # (label, which model, N_buf, decode settings beyond the threshold pol
     ("SingleBD", "bd", 1, {}, "chat"),
     ("training-free MultiBD", "bd", MULTI, {}, "chat"),
     ("MBD (MultiTF + MultiBD)", "mbd", MULTI, {}, "chat"),
+    ("training-free MultiBD, eager", "bd", MULTI, {"block_activation": "eager"}, "chat"),
+    ("MBD, eager activation", "mbd", MULTI, {"block_activation": "eager"}, "chat"),
+    ("MBD, eager + factor policy", "mbd", MULTI,
+     {"block_activation": "eager", "policy": "factor", "factor": 1.0}, "chat"),
     ("MBD, edit mode", "mbd", MULTI, {"sampling_mode": "edit"}, "chat"),
     ("MBD, edit mode, context confirm", "mbd", MULTI,
      {"sampling_mode": "edit", "edit_confirm": "context"}, "chat"),

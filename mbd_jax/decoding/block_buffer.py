@@ -11,6 +11,10 @@ one block each. Slot states are derived from two counters, which keeps the invar
 so TO_CACHE slots always form a prefix and DUMMY slots a suffix. Committing n_to_cache blocks is
 `cached_len += n_to_cache * blk`: the window moves, nothing is copied. N = 1 is SingleBD.
 
+The next block becomes ACTIVE once the last valid one is tau_add full, one per forward (the
+paper's rule); with eager activation every slot whose block starts before the row's limit is
+ACTIVE at once, from the first forward and again after each commit.
+
 A block is *final* when it has no MASK left and, in edit mode, the last forward changed nothing
 in it (or it has been active for block_size + max_post_edit_steps steps). With edit_confirm
 "context" a block is also final when the last forward only unmasked tokens in it and saw every
@@ -43,6 +47,7 @@ class RowParams:
     policy: jax.Array  # policy.POLICY_*
     accept_threshold: jax.Array
     add_block_threshold: jax.Array
+    eager: jax.Array  # bool: block_activation == "eager"
     semi_complete_threshold: jax.Array
     token_stability_threshold: jax.Array
     tokens_per_step: jax.Array
@@ -177,17 +182,20 @@ def advance(state: DecodeState, new_window: jax.Array, filled_now: jax.Array, ed
     leading = jnp.cumprod(_shift_slots(final, c, False) & (slot < n_valid[:, None]), axis=1)
     n_to_cache = jnp.where(keep_going, jnp.sum(leading, axis=1), state.n_to_cache)
 
-    # Activate the next block: the buffer is empty, or the last valid block is far enough along,
-    # and no EOS has ended the text, and the new block starts before the limit.
+    # Activate the next block: the buffer is empty, or the last valid block is far enough along
+    # (eager activation: always), and no EOS has ended the text, and the new block starts before
+    # the limit. Eager activation opens every such free slot at once.
     last = jnp.maximum(state.n_valid - 1, 0)[:, None]
     last_fill = jnp.take_along_axis(fill, last, axis=1)[:, 0]
     last_stable = jnp.take_along_axis(stability, last, axis=1)[:, 0]
-    ready = (last_fill >= p.add_block_threshold) & (last_stable >= p.token_stability_threshold)
+    ready = p.eager | ((last_fill >= p.add_block_threshold)
+                       & (last_stable >= p.token_stability_threshold))
     room = n_valid < jnp.minimum(p.buffer_size, n)
     starts_in_time = cached_len + n_valid * blk < p.limit
     activate = keep_going & room & starts_in_time & (first_eos == NO_POSITION) & (
         (n_valid == 0) | ready)
-    n_valid = n_valid + activate
+    n_valid = jnp.where(activate & p.eager, open_slots(p, cached_len, n, blk, jnp),
+                        n_valid + activate)
 
     return state.replace(
         canvas=canvas,
@@ -204,6 +212,13 @@ def advance(state: DecodeState, new_window: jax.Array, filled_now: jax.Array, ed
         bubbles=bubbles,
         max_active=jnp.maximum(state.max_active, jnp.where(live, n_valid - n_to_cache, 0)),
     )
+
+
+def open_slots(p: RowParams, cached_len, n_slots: int, blk: int, xp=np):
+    """[B] the slots a row holds under eager activation: every one whose block starts before the
+    row's limit (`xp`: numpy on the host, jax.numpy in the loop)."""
+    starting_in_time = (p.limit - cached_len + blk - 1) // blk
+    return xp.minimum(xp.minimum(p.buffer_size, n_slots), starting_in_time).astype(np.int32)
 
 
 def check_invariants(state: DecodeState, *, block_size: int, n_slots: int,
@@ -250,7 +265,8 @@ def initial_state(prompts: list[np.ndarray], capacity: int, block_size: int, n_s
                   mask_token_id: int, params: RowParams, record: tuple[int, int] = (0, 0),
                   put: Callable[[np.ndarray], jax.Array] = jax.device_put) -> DecodeState:
     """Rows start with their full prompt blocks cached (after prefill) and one ACTIVE block: the
-    block holding the first generated position, with its prompt positions fixed. `put` moves a
+    block holding the first generated position, with its prompt positions fixed (eager
+    activation: every slot whose block starts before the row's limit). `put` moves a
     host array to the device(s) (the engine's: replicated over its mesh)."""
     b = len(prompts)
     # The canvas is record[1] wider than the KV capacity so the recorded region of any row fits.
@@ -259,12 +275,15 @@ def initial_state(prompts: list[np.ndarray], capacity: int, block_size: int, n_s
     for i, t in enumerate(prompts):
         canvas[i, : len(t)] = t
     zeros, ones = np.zeros(b, np.int32), np.ones(b, np.int32)
+    cached_len = prompt_len // block_size * block_size
+    n_valid = np.where(params.eager, open_slots(params, cached_len, n_slots, block_size),
+                       ones).astype(np.int32)
     return DecodeState(
         canvas=put(canvas),
         logprob=put(np.zeros(canvas.shape, np.float32)),
         prompt_len=put(prompt_len),
-        cached_len=put(prompt_len // block_size * block_size),
-        n_valid=put(ones),
+        cached_len=put(cached_len),
+        n_valid=put(n_valid),
         n_to_cache=put(zeros),
         slot_steps=put(np.zeros((b, n_slots), np.int32)),
         done=put(np.zeros(b, bool)),
@@ -274,7 +293,7 @@ def initial_state(prompts: list[np.ndarray], capacity: int, block_size: int, n_s
         n_unmasked=put(zeros),
         n_edits=put(zeros),
         bubbles=put(zeros),
-        max_active=put(ones),
+        max_active=put(n_valid),
         violations=put(zeros),
         trajectory=put(np.full((b, *record), mask_token_id, np.int32)),
         params=params,

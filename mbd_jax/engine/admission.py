@@ -117,6 +117,7 @@ def row_params(cfg: ModelConfig, prompts: list[np.ndarray], decodes: list[Decode
         policy=col(lambda d: policy.POLICY_IDS[d.policy], np.int32),
         accept_threshold=col(lambda d: d.accept_threshold),
         add_block_threshold=col(lambda d: d.add_block_threshold),
+        eager=col(lambda d: d.block_activation == "eager", bool),
         semi_complete_threshold=col(lambda d: d.semi_complete_threshold),
         token_stability_threshold=col(lambda d: d.token_stability_threshold),
         tokens_per_step=col(lambda d: d.tokens_per_step(cfg.block_size), np.int32),
