@@ -1,9 +1,11 @@
 """Accuracy and TPF grouped by answer length (output blocks, the EOS counted), for models at given
 buffer sizes on the same held-out prompts: whether MultiBD's TPF gain grows with the answer.
 
-    python tools/tpf_by_length.py --runs tiny-bd:1,tiny-mbd:2 [--tasks sort,sortrev,reverse] [--limit 60]
+    python tools/tpf_by_length.py --runs tiny-bd:1,tiny-mbd:2,tiny-mbd:3:eager [--tasks sort,sortrev,reverse] [--limit 60]
 
-Decoding: Table 1's settings (evaluate.table1_decode). JSON on stdout, a table on stderr.
+A run is MODEL:N_BUF, or MODEL:N_BUF:ACTIVATION (DecodeConfig.block_activation: progress, the
+default, or eager). Decoding: Table 1's settings (evaluate.table1_decode). JSON on stdout, a table
+on stderr.
 """
 
 from __future__ import annotations
@@ -18,16 +20,31 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+def parse_run(run: str):
+    """MODEL:N_BUF[:ACTIVATION] -> (model, DecodeConfig)."""
+    import typing
+
+    from mbd_jax.config import BlockActivation
+    from mbd_jax.evaluate import table1_decode
+
+    head, _, last = run.rpartition(":")
+    activation = None
+    if last in typing.get_args(BlockActivation):
+        activation, (head, _, last) = last, head.rpartition(":")
+    return head, table1_decode(int(last), block_activation=activation)
+
+
 def main() -> None:
     from mbd_jax.checkpoint import load_model
     from mbd_jax.cli import int_at_least
     from mbd_jax.engine import Engine
     from mbd_jax.errors import UserError
-    from mbd_jax.evaluate import table1_decode, task_names
+    from mbd_jax.evaluate import task_names
     from mbd_jax.train import tasks
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", required=True, help="comma-separated MODEL:N_BUF pairs")
+    ap.add_argument("--runs", required=True,
+                    help="comma-separated MODEL:N_BUF or MODEL:N_BUF:ACTIVATION (progress, eager)")
     ap.add_argument("--tasks", default="sort,sortrev,reverse",
                     help=tasks.EVAL_TASKS_HELP)
     ap.add_argument("--limit", type=int, default=60, help="held-out prompts per task")
@@ -35,10 +52,9 @@ def main() -> None:
     args = ap.parse_args()
     try:
         names = task_names(args.tasks, args.limit, where="--tasks")
-        runs = [(name, table1_decode(int(n_buf)))
-                for name, n_buf in (r.rsplit(":", 1) for r in args.runs.split(","))]
+        runs = [parse_run(r) for r in args.runs.split(",")]
     except (UserError, ValueError) as e:
-        ap.error(f"--tasks / --runs (MODEL:N_BUF,...): {e}")
+        ap.error(f"--tasks / --runs (MODEL:N_BUF[:ACTIVATION],...): {e}")
     examples = [ex for name in names for ex in tasks.heldout(name, args.limit)]
     out = []
     for name, decode in runs:
@@ -60,12 +76,13 @@ def main() -> None:
                 g["nfe"] += r.nfe
         for blocks in sorted(groups):
             g = groups[blocks]
-            out.append({"model": name, "buffer_size": n_buf, "blocks": blocks, **g,
+            out.append({"model": name, "buffer_size": n_buf,
+                        "block_activation": decode.block_activation, "blocks": blocks, **g,
                         "accuracy": g["correct"] / g["n"], "tpf": g["tokens"] / max(g["nfe"], 1)})
-    print("\n| model | N_buf | answer blocks | prompts | accuracy % | TPF |\n|---|---|---|---|---|---|",
-          file=sys.stderr)
+    print("\n| model | N_buf | activation | answer blocks | prompts | accuracy % | TPF |\n"
+          "|---|---|---|---|---|---|---|", file=sys.stderr)
     for o in out:
-        print(f"| {o['model']} | {o['buffer_size']} | {o['blocks']} | {o['n']} | "
+        print(f"| {o['model']} | {o['buffer_size']} | {o['block_activation']} | {o['blocks']} | {o['n']} | "
               f"{100 * o['accuracy']:.0f} | {o['tpf']:.2f} |", file=sys.stderr)
     print(json.dumps({"tasks": names, "limit_per_task": args.limit, "results": out}))
 
