@@ -135,7 +135,8 @@ extreme_ints = st.sampled_from([0, 1, 2, 3, -1, 2**31 - 1, 2**31, 2**63, -(2**63
 extreme_floats = st.sampled_from([0.0, 0.5, 1.0, -0.0, 1e-300, 1e300, -1e300, 2.5, 800.0])
 scalars = st.one_of(st.none(), st.booleans(), extreme_ints, st.integers(-10**6, 10**6),
                     extreme_floats, st.floats(allow_nan=False, allow_infinity=False),
-                    st.text(max_size=12), st.sampled_from(["threshold", "edit", "context", "eager", "regex", "user"]))
+                    st.text(max_size=12),
+                    st.sampled_from(["threshold", "edit", "context", "eager", "regex", "user"]))
 values = st.recursive(scalars, lambda inner: st.one_of(
     st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)),
     max_leaves=6)

@@ -273,13 +273,15 @@ def test_every_service_path_answers_on_the_default_model(tmp_path):
                                            stream=True)
         assert "".join(ch.choices[0].delta.content or "" for ch in stream
                        if ch.choices).strip() == "w z k p"
-        # Table 1's best row on the trial pair, asked for per request; a wrong value is a 400
-        # that names the field and what it may be.
+        # The trial pair's most accurate MBD row, and eager activation, asked for per request; a
+        # wrong value is a 400 that names the field and what it may be.
         edit = {"sampling_mode": "edit", "edit_confirm": "context", "policy": "factor",
                 "factor": 2.0}
-        r = c.chat.completions.create(model="tiny-mbd", max_tokens=48, extra_body={"decoding": edit},
-                                      messages=[{"role": "user", "content": "What is 47+38?"}])
-        assert r.choices[0].message.content.strip() == "47+38=85"
+        for decoding in (edit, {"block_activation": "eager"}):
+            r = c.chat.completions.create(model="tiny-mbd", max_tokens=48,
+                                          extra_body={"decoding": decoding},
+                                          messages=[{"role": "user", "content": "What is 47+38?"}])
+            assert r.choices[0].message.content.strip() == "47+38=85", decoding
         with pytest.raises(openai.BadRequestError, match="edit_confirm.*'always', 'context'"):
             c.chat.completions.create(model="tiny-mbd", max_tokens=48,
                                       extra_body={"decoding": {**edit, "edit_confirm": "later"}},
