@@ -197,21 +197,23 @@ def test_hybrid_engine_generates_batch_invariantly_with_reused_rows():
     """Greedy SingleBD and MultiBD on the hybrid: five prompts on two rows (rows reused: a reused
     row starts from a zero state) give the tokens each prompt gives alone (the one running row
     decoding over its own cache row and recurrent state: Engine.decode_call's one-row program),
-    and a warmed-up engine compiles nothing for a second batch."""
+    and a warmed-up engine compiles nothing for a second batch; MultiBD with eager activation
+    (both blocks from the first forward) too."""
     from mbd_jax import compile_stats
 
     cfg, params = hybrid_cfg("bidirectional")
     prompts = [[7, 8, 9], list(range(20, 41)), [5] * 12, list(range(100, 109)), [9, 3]]
     for n_buf in (1, 2):
-        decode = DecodeConfig(buffer_size=n_buf, max_new_tokens=16)
         engine = Engine(cfg, params, batch_size=2, buffer_size=n_buf, prefill_chunk=16)
-        together = [r.token_ids for r in engine.generate(prompts, decode)]
-        c0 = compile_stats.compiles()
-        again = [r.token_ids for r in engine.generate(prompts[::-1], decode)][::-1]
-        assert compile_stats.compiles() == c0 and again == together, n_buf
-        alone = [engine.generate([p], decode)[0].token_ids for p in (prompts[2], prompts[4])]
-        assert [together[2], together[4]] == alone and compile_stats.compiles() == c0, n_buf
-        assert any(len(t) > 4 for t in together)
+        for activation in ("progress", "eager")[:n_buf]:
+            decode = DecodeConfig(buffer_size=n_buf, max_new_tokens=16, block_activation=activation)
+            together = [r.token_ids for r in engine.generate(prompts, decode)]
+            c0 = compile_stats.compiles()
+            again = [r.token_ids for r in engine.generate(prompts[::-1], decode)][::-1]
+            assert compile_stats.compiles() == c0 and again == together, decode
+            alone = [engine.generate([p], decode)[0].token_ids for p in (prompts[2], prompts[4])]
+            assert [together[2], together[4]] == alone and compile_stats.compiles() == c0, decode
+            assert any(len(t) > 4 for t in together)
 
 
 # the causal mode stores the same boundary states (the in-block rule differs, which the state-cache

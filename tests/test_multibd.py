@@ -43,12 +43,15 @@ def test_never_adding_early_is_singlebd(cfg, params, debug_engine):
         assert (g.nfe, g.bubble_forwards, g.max_active_blocks) == (w.nfe, w.bubble_forwards, 1)
 
 
-def test_multibd_cache_is_exact(cfg, params, debug_engine):
+@pytest.mark.parametrize("activation", ["progress", "eager"])
+def test_multibd_cache_is_exact(cfg, params, debug_engine, activation):
     """After MultiBD generation, the KV stored for every committed position equals the KV of one
-    clean forward over the final tokens (float32, 1e-5)."""
+    clean forward over the final tokens (float32, 1e-5); with eager activation too, where the
+    second block is noisy from the first forward on."""
     eng = debug_engine
     prompts = [np.asarray(p, np.int32) for p in PROMPTS]
-    state = eng.run_decode(eng.admit(eng.empty_state(), {i: (p, MULTI) for i, p in enumerate(prompts)}))
+    decode = dataclasses.replace(MULTI, block_activation=activation)
+    state = eng.run_decode(eng.admit(eng.empty_state(), {i: (p, decode) for i, p in enumerate(prompts)}))
     host = jax.device_get(state)
     assert int(host.max_active.max()) == 2  # blocks really overlapped
     # The reference: one clean forward per row over its committed tokens, all rows in one
