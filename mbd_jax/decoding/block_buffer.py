@@ -136,8 +136,10 @@ def advance(state: DecodeState, new_window: jax.Array, filled_now: jax.Array, ed
     fill = jnp.mean(filled_slots, axis=-1)  # [B, N]
     edited_slots = jnp.any(edited.reshape(b, n, blk), axis=-1)  # [B, N]
     changed = jnp.any(filled_now.reshape(b, n, blk), axis=-1) | edited_slots
-    # Every block before slot i had no MASK when this forward ran and was not edited by it.
-    clean = jnp.all((window(state, w) != mask_token_id).reshape(b, n, blk), axis=-1) & ~edited_slots
+    # Every block before slot i had no MASK when this forward ran (what it unmasked is all that
+    # was masked before it) and was not edited by it.
+    was_filled = (filled & ~filled_now).reshape(b, n, blk)
+    clean = jnp.all(was_filled, axis=-1) & ~edited_slots
     clean_before = jnp.cumprod(jnp.concatenate([jnp.ones((b, 1), bool), clean[:, :-1]], axis=1),
                                axis=1).astype(bool)
     confirmed_by_context = p.confirm_on_context[:, None] & clean_before & ~edited_slots
