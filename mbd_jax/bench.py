@@ -94,7 +94,7 @@ def bench_decode(cfg: ModelConfig, params: Any, *, batch: int, prompt_len: int, 
         step_times, tok_s, tpf, nfe, bubbles, gen_s = [], [], [], [], [], []
         c1 = compile_stats.compiles()
         for _ in range(repeats):
-            engine.call_log.clear()
+            before = engine.stats()
             t = time.perf_counter()
             res = engine.generate(prompts, d)
             dt = time.perf_counter() - t
@@ -103,7 +103,7 @@ def bench_decode(cfg: ModelConfig, params: Any, *, batch: int, prompt_len: int, 
             tpf.append(statistics.mean(r.tpf for r in res))
             nfe.append(statistics.mean(r.nfe for r in res))
             bubbles.append(sum(r.bubble_forwards for r in res) / max(sum(r.nfe for r in res), 1))
-            step_times += [s / k for s, k in engine.call_log if k > 0]
+            step_times += [s / k for s, k in engine.stats().calls_since(before) if k > 0]
         step = statistics.median(step_times)
         context = prompt_len + new_tokens / 2  # mean visible keys over the run
         flops = step_flops(cfg, batch, n_buf * cfg.block_size, context)
@@ -127,7 +127,7 @@ def bench_decode(cfg: ModelConfig, params: Any, *, batch: int, prompt_len: int, 
             "achieved_gflops": flops / step / 1e9,
             "utilisation": flops / step / 1e9 / gflops,
             "peak_memory_mb": peak_memory_mb(),
-            "kv_mb": engine.kv.nbytes() / 2**20,
+            "kv_mb": engine.stats().kv_bytes / 2**20,
         })
     return {
         "model": base_cfg.name, "params": base_cfg.num_params(), "active_params": base_cfg.active_params_per_token(),

@@ -181,17 +181,17 @@ def _restore_params(path: pathlib.Path, cfg: ModelConfig, mesh: Mesh) -> Any:
     runtime layout when it scans its layers (both copies are alive while that runs)."""
     import orbax.checkpoint as ocp
 
-    from mbd_jax.model import layout
+    from mbd_jax.model import layout, sharding
 
     if not (path / "params").is_dir():
         raise ConfigError(f"model {path}: config.yaml says init: checkpoint but params/ is missing")
-    target = meshlib.abstract_params(layout.canonical(cfg), mesh)
+    target = sharding.abstract_params(layout.canonical(cfg), mesh)
     try:
         params = ocp.StandardCheckpointer().restore((path / "params").absolute(), target)
     except Exception as e:  # orbax/tensorstore raise many types for a damaged checkpoint
         raise ConfigError(f"model {path}: params/ cannot be restored against config.yaml "
                           f"({type(e).__name__}: {str(e)[:300]})") from None
-    return layout.convert(params, cfg, layout.to_runtime, meshlib.param_shardings(cfg, mesh))
+    return layout.convert(params, cfg, layout.to_runtime, sharding.param_shardings(cfg, mesh))
 
 
 def load_model(model: str, *, with_weights: bool = True, random_weights: bool = False,

@@ -185,7 +185,6 @@ def test_generate_chat_uses_the_model_directorys_own_template(tmp_path):
     ("table1.py", ["--limit", "0"], "argument --limit: must be >= 1, got 0"),
     ("tpf_by_length.py", ["--runs", "tiny-mbd:2", "--batch-size", "two"],
      "argument --batch-size: expected an integer, got 'two'"),
-    ("window_widths.py", ["--batch-size", "1", "0"], "argument --batch-size: must be >= 1, got 0"),
     ("probe_recall.py", ["--models", "tiny-bd", "--limit", "0"],
      "argument --limit: must be >= 1, got 0"),
 ])

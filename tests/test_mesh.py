@@ -32,6 +32,7 @@ def test_parse_mesh_fills_and_names_mistakes():
 
 FORWARD = textwrap.dedent("""
     import json, re, jax, numpy as np
+    from mbd_jax.model import sharding
     from mbd_jax.model.forward_meta import ForwardMeta
     from mbd_jax.model.transformer import Transformer, block_causal_mask, init_params
     from mbd_jax.parallel import mesh as meshlib
@@ -57,7 +58,7 @@ FORWARD = textwrap.dedent("""
                                                                    meta)[0])(params))
         for shape in shapes:
             m = meshlib.make_mesh(dict(zip(meshlib.AXES, shape)))
-            sharded = jax.device_put(params, meshlib.param_shardings(cfg, m))
+            sharded = jax.device_put(params, sharding.param_shardings(cfg, m))
             fwd = jax.jit(lambda p, t, q: Transformer(cfg, m).apply(
                 {"params": p}, t, ForwardMeta.explicit(q, meta.mask))[0])
             compiled = fwd.lower(sharded, tokens, pos).compile()  # compiled once: run and read
@@ -66,7 +67,7 @@ FORWARD = textwrap.dedent("""
             # per-layer shapes (a scanned run stacks its layers on a leading axis)
             experts = layer_1(sharded)["moe"]["experts_up"]
             q = (sharded.get("layer_0") or sharded["layers_0_1"])["attn"]["q_proj"]
-            kv = jax.tree.leaves(meshlib.cache_shardings(cfg, m, 2, 64))[0]  # scan: all layers
+            kv = jax.tree.leaves(sharding.cache_shardings(cfg, m, 2, 64))[0]  # scan: all layers
             out.append({"router": router, "impl": impl, "mesh": shape, "err": float(np.abs(got - ref).max()),
                         "experts_local": list(experts.addressable_shards[0].data.shape)[-3:],
                         "experts_global": list(experts.shape)[-3:],
@@ -157,6 +158,7 @@ def test_sharded_engine_generates_the_same_tokens():
 RESTORE = textwrap.dedent("""
     import json, sys, jax, numpy as np
     from mbd_jax.checkpoint import load_model, save_model
+    from mbd_jax.model import sharding
     from mbd_jax.model.forward_meta import ForwardMeta
     from mbd_jax.model.transformer import Transformer, block_causal_mask, init_params
     from mbd_jax.parallel import mesh as meshlib
@@ -179,7 +181,7 @@ RESTORE = textwrap.dedent("""
         mesh = meshlib.make_mesh(meshlib.parse_mesh(spec, 8 if spec != "data=1" else 1),
                                  jax.devices()[: 1 if spec == "data=1" else 8])
         loaded = load_model(sys.argv[1], mesh=mesh).params
-        want = meshlib.param_shardings(cfg, mesh)
+        want = sharding.param_shardings(cfg, mesh)
         placed = all(a.sharding == w for a, w in zip(jax.tree.leaves(loaded), jax.tree.leaves(want)))
         up = layer_1(loaded)["moe"]["experts_up"]
         out[spec] = {"err": float(np.abs(logits(mesh, loaded) - ref).max()), "placed": placed,
@@ -237,6 +239,7 @@ HYBRID = textwrap.dedent("""
     import json, jax
     from mbd_jax.config import DecodeConfig
     from mbd_jax.engine import Engine
+    from mbd_jax.model import sharding
     from mbd_jax.parallel import mesh as meshlib
     from tests.test_hybrid import hybrid_cfg
     cfg, params = hybrid_cfg("bidirectional")
@@ -244,7 +247,7 @@ HYBRID = textwrap.dedent("""
     out = {}
     for spec in (None, "data=2,expert=2,tensor=2"):
         mesh = None if spec is None else meshlib.make_mesh(meshlib.parse_mesh(spec))
-        p = params if mesh is None else jax.device_put(params, meshlib.param_shardings(cfg, mesh))
+        p = params if mesh is None else jax.device_put(params, sharding.param_shardings(cfg, mesh))
         engine = Engine(cfg, p, batch_size=2, buffer_size=2, prefill_chunk=16, mesh=mesh)
         tokens = [r.token_ids for r in engine.generate(prompts, DecodeConfig(buffer_size=2,
                                                                              max_new_tokens=16))]

@@ -195,3 +195,42 @@ def test_two_process_training_matches_one_process(tmp_path):
     start = load_model(str(small)).params  # 3 steps moved them well past the tolerance
     assert max(float(np.abs(np.asarray(x) - np.asarray(y)).max())
                for x, y in zip(jax.tree.leaves(start), jax.tree.leaves(b.params))) > 1e-4
+
+
+def test_a_call_not_mirrored_is_refused_on_the_leader(offline, monkeypatch):
+    """The leader makes the MIRRORED calls (sending each first) and the READS; anything else is an
+    AttributeError naming where to list it, never a silent call on process 0 alone. A follower
+    replaying the sent calls substitutes its own decode state for the leader's."""
+    from mbd_jax.engine import mirror
+    from mbd_jax.parallel import multihost
+
+    sent = []
+    monkeypatch.setattr(multihost, "share", lambda obj: sent.append(obj) or obj)
+    m, engine = offline
+    leader = mirror.EngineLeader(engine)
+    try:
+        assert leader.cfg is engine.cfg and leader.stats().rows == 8  # reads: not sent
+        with pytest.raises(AttributeError, match="not mirrored.*engine/mirror.py"):
+            leader.generate
+        with pytest.raises(AttributeError, match="not mirrored"):
+            leader.admit  # changes the engine, but is not one of the service's calls
+        state = leader.empty_state()
+        state = leader.decode_call(state, 1)
+        leader.release([0])
+    finally:
+        leader._closed = True  # stops the heartbeat thread; the engine stays open for others
+    assert [c[0] for c in sent] == ["empty_state", "decode_call", "release"]
+    assert sent[1][1] == [mirror._Local.STATE, 1]  # the follower's own state goes in its place
+
+    # a follower replays them: each result replaces its own state where MIRRORED says so
+    replay = iter([*sent, ("stop",)])
+    calls = []
+
+    class Recorder:
+        def __getattr__(self, name):
+            return lambda *a, **k: calls.append((name, a)) or f"{name} result"
+
+    monkeypatch.setattr(multihost, "share", lambda obj: next(replay))
+    mirror.follow(Recorder())
+    assert calls == [("empty_state", ()), ("decode_call", ("empty_state result", 1)),
+                     ("release", ([0],)), ("close", ())]

@@ -25,14 +25,14 @@ from mbd_jax.train import tasks
 
 
 def run(engine: Engine, prompts: list[np.ndarray], decode: DecodeConfig) -> dict:
-    engine.call_log.clear()
+    before = engine.stats()
     tokens = nfe = 0
     t = time.perf_counter()
     for p in prompts:
         (r,) = engine.generate([p], decode)
         tokens, nfe = tokens + r.output_tokens, nfe + r.nfe
     wall = time.perf_counter() - t
-    decode_s = sum(s for s, _ in engine.call_log)
+    decode_s = sum(s for s, _ in engine.stats().calls_since(before))
     return {"wall_ms_per_request": wall / len(prompts) * 1e3,
             "decode_ms_per_request": decode_s / len(prompts) * 1e3,
             "other_ms_per_request": (wall - decode_s) / len(prompts) * 1e3,

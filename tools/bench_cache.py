@@ -75,13 +75,13 @@ def main() -> None:
     for _ in range(args.repeats):
         prefix = draw(args.prefix_len)
         miss.append(first_block(prefix + draw(args.question_len)))
-        engine.offloader.flush()
-        before = engine.prefix_hit_tokens
+        engine.flush()
+        before = engine.stats().prefix_hit_tokens
         hit.append(first_block(prefix + draw(args.question_len)))
-        hit_tokens.append(engine.prefix_hit_tokens - before)
-        engine.offloader.flush()
-    states = engine.offloader.stats.staged_states  # a hybrid's snapshots
-    engine.offloader.close()
+        hit_tokens.append(engine.stats().prefix_hit_tokens - before)
+        engine.flush()
+    states = engine.stats().offload.staged_states  # a hybrid's snapshots
+    engine.close()
 
     # ---- decode tokens/s, persistence off vs on (alternating; fresh prompts per repeat, the same
     # for both, so every committed block is new to the store and really gets offloaded)
@@ -101,14 +101,14 @@ def main() -> None:
                                                       size=args.batch)]
         for name, e in engines.items():
             state = e.admit(e.empty_state(), dict(enumerate((p, decode) for p in prompts)))
-            jax.block_until_ready(e.kv)
+            e.sync()
             t0 = time.perf_counter()
             state = e.run_decode(state)
             dt = time.perf_counter() - t0
             tokens = sum(len(r.token_ids) for r in e.results(state, len(prompts), dt))
             rates[name].append(tokens / dt)
-    off_stats = engines["on"].offloader.stats
-    engines["on"].offloader.close()
+    off_stats = engines["on"].stats().offload
+    engines["on"].close()
 
     med = statistics.median
     report = {

@@ -5,7 +5,7 @@
 Builds two engines of --rows rows on the same model: one whose pool holds every row's full
 context (the dense design's memory), one whose pool holds exactly the pages the request mix needs
 (--lengths prompt tokens, --new-tokens each), and reports the bytes each engine allocated
-(`engine.kv.nbytes()`), the pages the mix holds by the engine's own accounting, and how many
+(`Engine.stats().kv_bytes`), the pages the mix holds by the engine's own accounting, and how many
 requests of one --shared-prompt-length system prompt (plus a 32-token question each) a fixed
 budget (the dense engine's bytes for --rows rows) holds at once: one per row densely, by pages
 without sharing, and by pages with the prompt's pages shared in the pool, the last measured by
@@ -49,35 +49,35 @@ def main() -> int:
     dense = Engine(cfg, params, batch_size=args.rows, prefill_chunk=256)
     prompts = [np.full(n, 5, np.int32) for n in lengths]
     need = sum(dense.pages_needed(p, decode) for p in prompts)
-    page = dense.pages.page
+    page = dense.stats().page_size
     paged = Engine(cfg, params, batch_size=args.rows, prefill_chunk=256,
                    kv_pool_tokens=need * page)
     adm = paged.begin_admit({i: (p, decode) for i, p in enumerate(prompts)})  # pages taken
-    paged.pages.check()
-    assert paged.pages.in_use == need and paged.pages.free == 0
+    taken = paged.stats()
+    assert taken.pages_in_use == need and taken.pages_free == 0
     del adm
     rng = np.random.default_rng(0)
     system = rng.integers(5, cfg.vocab_size, args.shared_prompt_length).tolist()
     asks = [system + rng.integers(5, cfg.vocab_size, 32).tolist() for _ in range(args.shared_rows)]
     per_request = dense.pages_needed(asks[0], decode)
-    budget = dense.pages.num_pages
+    budget = dense.stats().pages
     pool = Engine(cfg, params, batch_size=args.shared_rows, prefill_chunk=256,
                   kv_pool_tokens=budget * page)
     state = pool.admit(pool.empty_state(), {0: (asks[0], decode)})  # prefills the system prompt
-    first = pool.pages.in_use
+    first = pool.stats().pages_in_use
     pool.admit(state, {i: (asks[i], decode) for i in range(1, args.shared_rows)})
-    pool.pages.check()
-    per_extra = (pool.pages.in_use - first) / (args.shared_rows - 1)
+    shared_in_use = pool.stats().pages_in_use
+    per_extra = (shared_in_use - first) / (args.shared_rows - 1)
     report = {
         "model": args.model, "max_seq_len": args.max_seq_len, "rows": args.rows,
         "lengths": lengths, "new_tokens": args.new_tokens, "page": page,
-        "dense_bytes": dense.kv.nbytes(), "paged_bytes": paged.kv.nbytes(),
-        "dense_pages": dense.pages.num_pages, "paged_pages": need,
-        "ratio": dense.kv.nbytes() / paged.kv.nbytes(),
+        "dense_bytes": dense.stats().kv_bytes, "paged_bytes": paged.stats().kv_bytes,
+        "dense_pages": budget, "paged_pages": need,
+        "ratio": dense.stats().kv_bytes / paged.stats().kv_bytes,
         "shared_prompt": args.shared_prompt_length,
         "held_at_once_dense": args.rows,
         "held_at_once_paged": budget // per_request,
-        "shared_rows_admitted": args.shared_rows, "shared_pages_in_use": pool.pages.in_use,
+        "shared_rows_admitted": args.shared_rows, "shared_pages_in_use": shared_in_use,
         "pages_first_request": first, "pages_per_further_request": per_extra,
         "held_at_once_paged_shared": 1 + int((budget - first) // per_extra),
     }
@@ -91,7 +91,7 @@ def main() -> int:
           f"{report['held_at_once_paged']} (pages; rows permitting) |\n"
           f"| paged, prompt pages shared (dense budget) | {budget} | "
           f"{report['dense_bytes'] / mib:.1f} | {report['held_at_once_paged_shared']} "
-          f"({args.shared_rows} admitted: {pool.pages.in_use} pages in use) |\n"
+          f"({args.shared_rows} admitted: {shared_in_use} pages in use) |\n"
           f"ratio dense / paged: {report['ratio']:.2f}", file=sys.stderr)
     return 0
 

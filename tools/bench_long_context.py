@@ -41,7 +41,6 @@ def main() -> int:
                     help="also time each context through mbd-jax serve at this attention chunk")
     args = ap.parse_args()
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-    import jax
     import numpy as np
 
     from mbd_jax.bench import matmul_gflops, step_flops
@@ -73,7 +72,7 @@ def main() -> int:
             calls = 1
             while not engine.prefill_step(adm):
                 calls += 1
-            jax.block_until_ready(engine.kv)
+            engine.sync()
             prefill_s = time.perf_counter() - t
             # Block-causal attention over the prompt: each query sees about half of it; QK^T and
             # PV are 2 FLOPs per multiply-add each, per attention layer and query head.

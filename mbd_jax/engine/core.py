@@ -37,9 +37,10 @@ from mbd_jax.engine.pages import PagePool, page_keys
 from mbd_jax.engine.prefix import PrefixGlue, PrefixHit
 from mbd_jax.engine.programs import prefix_programs, programs
 from mbd_jax.engine.results import GenerationResult
+from mbd_jax.engine.stats import RECENT_CALLS, EngineStats
 from mbd_jax.engine.transfer import RowFetcher, RowPacker
 from mbd_jax.errors import UserError
-from mbd_jax.model import layout
+from mbd_jax.model import layout, sharding
 from mbd_jax.model.transformer import cache_type
 from mbd_jax.parallel import mesh as meshlib
 from mbd_jax.parallel import multihost
@@ -83,7 +84,7 @@ class Engine:
         self._put = functools.partial(jax.device_put, device=replicated)  # host input -> mesh
         self._put_rows = RowPacker(self._put)  # a batch-first host tree -> mesh, one transfer
         self._fetch_rows = RowFetcher(replicated)  # a batch-first device tree -> host, one transfer
-        self.params = jax.device_put(params, meshlib.param_shardings(cfg, self.mesh))
+        self.params = jax.device_put(params, sharding.param_shardings(cfg, self.mesh))
         self._split_experts = split_experts
         self.experts_split = False  # the params' expert layout (_use_layout)
         self.batch_size = batch_size
@@ -94,8 +95,9 @@ class Engine:
         self.debug = debug
         self.tokenizer = tokenizer
         self.record = (record_steps, record_len) if record_steps > 0 and record_len > 0 else (0, 0)
-        # (seconds, decode steps) of the latest decode calls, for benches and metrics
-        self.call_log: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)
+        # (seconds, decode steps) of the latest decode calls, for benches and metrics (stats())
+        self._call_log: collections.deque[tuple[float, int]] = collections.deque(maxlen=RECENT_CALLS)
+        self._decode_calls = 0
         window = buffer_size * cfg.block_size
         # The model's cache (its layout is the model's business: model/kv_cache.py). A forward
         # writes at most one decode window or one prefill chunk, starting before max_seq_len.
@@ -266,9 +268,11 @@ class Engine:
         """Gives back the KV pages of finished rows (their results were read): the pool is
         what the running requests need. A released row's writes go nowhere until it is
         admitted again."""
-        for row in rows:
-            self.pages.release(int(row))
-        self._sync_table()
+        held = [int(row) for row in rows if self.pages.held[int(row)]]
+        for row in held:
+            self.pages.release(row)
+        if held:
+            self._sync_table()
 
     # ---------------------------------------------------------------- host -> device state
     def initial_state(self, prompts: list[np.ndarray], decodes: list[DecodeConfig],
@@ -306,6 +310,41 @@ class Engine:
         if call.row is not None:  # the row table: input row 0 is this cache row
             host.append(rows.astype(np.int32))
         self.kv = self._prefill(self.params, self.kv, *self._put(host))  # one transfer call
+
+    # ---------------------------------------------------------------- reads
+    def stats(self) -> EngineStats:
+        """One snapshot of the engine's counters and pool (metrics, benchmarks, tools)."""
+        pages = self.pages
+        return EngineStats(
+            rows=self.batch_size, kv_bytes=self._kv.nbytes(), page_size=pages.page,
+            pages=pages.num_pages,
+            pages_in_use=pages.in_use, pages_free=pages.free, pages_cached=pages.cached,
+            pool_hit_tokens=self.pool_hit_tokens, prefix_hit_tokens=self.prefix_hit_tokens,
+            prefill_seconds_per_token=self.prefill_seconds_per_token,
+            decode_calls=self._decode_calls, recent_calls=tuple(self._call_log),
+            store=None if self.prefix_store is None else dataclasses.replace(
+                self.prefix_store.stats),
+            offload=None if self.offloader is None else dataclasses.replace(
+                self.offloader.stats))
+
+    @property
+    def prefix_cache(self) -> bool:
+        """Whether prompts reuse blocks from a prefix store (and committed blocks go there)."""
+        return self._prefix is not None
+
+    def sync(self) -> None:
+        """Waits until the device has run every call made so far."""
+        jax.block_until_ready(self._kv)
+
+    def flush(self) -> None:
+        """Persists every block staged for the prefix store now (waits for its disk writes)."""
+        if self.offloader is not None:
+            self.offloader.flush()
+
+    def close(self) -> None:
+        """Persists what is staged and stops the prefix store's threads (the engine's end)."""
+        if self.offloader is not None:
+            self.offloader.close()
 
     # ---------------------------------------------------------------- public API
     def generate(self, prompts: Sequence[Sequence[int]],
@@ -371,7 +410,8 @@ class Engine:
         else:
             state, self.kv, steps = self._decode(self.params, state, self.kv, max_steps)
         steps = int(steps)  # waits for the call
-        self.call_log.append((time.perf_counter() - t, steps))
+        self._call_log.append((time.perf_counter() - t, steps))
+        self._decode_calls += 1
         if self.offloader is not None:  # stage what this call committed; drain the last call's
             host = self.host_view(state)
             self.offloader.after_commit(self.kv, host.cached_len, host.canvas, host.done)
@@ -587,6 +627,31 @@ class Engine:
                 prefill([batch[i] for i in sorted(later)])
         return sorted(used)
 
+    def _choose_expert_paths(self, say: Callable[[str], None]) -> None:
+        """Runs each decode program on its fastest expert path (engine/expert_paths.py); the
+        timing rows' blocks are not persisted."""
+        decode = expert_paths.timing_decode(self.cfg, self.buffer_size)
+        prompt = np.array([self.cfg.pad_token_id], np.int32)
+
+        def time_calls(impl: str, rows: int) -> list[float]:
+            self.use_expert_paths(impl, impl)
+            state = self.admit(self.empty_state(), dict.fromkeys(range(rows), (prompt, decode)))
+            state = self.decode_call(state, expert_paths.STEPS)  # compiles
+            seconds = []
+            for _ in range(expert_paths.CALLS):
+                t = time.perf_counter()
+                state = self.decode_call(state, expert_paths.STEPS)  # returns once they ran
+                seconds.append(time.perf_counter() - t)
+            self.release(range(rows))
+            return seconds
+
+        offloader, self.offloader = self.offloader, None
+        try:
+            best, self.moe_timings = expert_paths.choose(self.batch_size, time_calls, say)
+        finally:
+            self.offloader = offloader
+        self.use_expert_paths(best["all rows"], best.get("one row", best["all rows"]))
+
     def _warm_call(self, t: int, rows: np.ndarray) -> PrefillCall:
         """The call a `t`-token chunk makes (its program): row 0 alone, or the shared one."""
         alone = admission.runs_alone(t, self.row_prefill_min)
@@ -603,7 +668,7 @@ class Engine:
         b = self.batch_size
         zeros_b = np.zeros(b, np.int32)
         if self.cfg.moe_impl == "measure" and self.cfg.num_experts > 0:
-            expert_paths.choose(self, say)  # before the prefill buckets: they follow its choice
+            self._choose_expert_paths(say)  # before the prefill buckets: they follow its choice
         buckets = prefill_buckets(blk, self.prefill_chunk) if buckets is None else list(buckets)
         for i, t in enumerate(buckets):
             say(f"compiling prefill of {t} tokens ({i + 1}/{len(buckets)})")

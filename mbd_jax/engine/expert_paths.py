@@ -7,75 +7,48 @@ for every token (`dense`) at many (docs/performance.md). An engine has two decod
 rows and one running row alone, whose token counts differ by the batch size, so each gets its
 own choice; prefill and the expert weights' layout (model/layout.py) follow the all-rows one,
 so each candidate is timed over the layout it would run with. Each candidate's decode programs
-(and its smallest prefill, for the timing rows) are compiled once here, and the losers' are
-never run again.
+(and its smallest prefill, for the timing rows) are compiled once, and the losers' are never
+run again. This module plans and decides; the engine runs the timed calls (`TimeCalls`).
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-import numpy as np
-
-from mbd_jax.config import DecodeConfig, measured_candidates
+from mbd_jax.config import DecodeConfig, ModelConfig, measured_candidates
 from mbd_jax.parallel import multihost
-
-if TYPE_CHECKING:
-    from mbd_jax.engine.core import Engine
 
 STEPS = 2  # decode steps per timed call
 CALLS = 3  # timed calls per (path, program); the median counts
 
+# (expert path, rows) -> seconds of each of CALLS decode calls of STEPS steps, over `rows` rows
+# decoding timing_decode() on that path (after one untimed call that compiles)
+TimeCalls = Callable[[str, int], list[float]]
 
-def choose(engine: Engine, say: Callable[[str], None]) -> None:
-    """Times every candidate path (config.MEASURED) on the engine's all-rows program and, with
-    more than one row, its one-row program, over rows that keep their whole buffer busy (one
-    token per block per step, EOS ignored); then runs each program on its fastest path
-    (engine.moe_paths; the timings, ms per step, in engine.moe_timings)."""
-    cfg, b = engine.cfg, engine.batch_size
-    candidates = measured_candidates("moe_impl")
-    programs = {"all rows": b} | ({"one row": 1} if b > 1 else {})
-    # enough tokens that no row finishes within the calls: one per block per step at most
-    new = min((CALLS + 1) * STEPS * engine.buffer_size + cfg.block_size, cfg.max_seq_len - 2)
-    decode = DecodeConfig(buffer_size=engine.buffer_size, policy="fixed_steps",
-                          steps_per_block=cfg.block_size, max_new_tokens=new, ignore_eos=True)
-    prompt = np.array([cfg.pad_token_id], np.int32)
-    offloader, engine.offloader = engine.offloader, None  # the timing rows' blocks are not kept
-    try:
-        timings = _time(engine, candidates, programs, decode, prompt, say)
-    finally:
-        engine.offloader = offloader
-    # several processes ran the same calls; process 0's clock decides for all, so every process
-    # runs the same programs
+
+def timing_decode(cfg: ModelConfig, buffer_size: int) -> DecodeConfig:
+    """What the timing rows decode: their whole buffer busy (one token per block per step, EOS
+    ignored), with enough tokens that no row finishes within the calls."""
+    new = min((CALLS + 1) * STEPS * buffer_size + cfg.block_size, cfg.max_seq_len - 2)
+    return DecodeConfig(buffer_size=buffer_size, policy="fixed_steps",
+                        steps_per_block=cfg.block_size, max_new_tokens=new, ignore_eos=True)
+
+
+def choose(batch_size: int, time_calls: TimeCalls, say: Callable[[str], None]
+           ) -> tuple[dict[str, str], dict[str, dict[str, float]]]:
+    """Times every candidate path (config.MEASURED) on the all-rows program and, with more than
+    one row, the one-row program. Returns ({program: fastest path}, {program: {path: ms per
+    step}}), process 0's on every process (its clock decides, so all run the same programs)."""
+    programs = {"all rows": batch_size} | ({"one row": 1} if batch_size > 1 else {})
+    timings: dict[str, dict[str, float]] = {name: {} for name in programs}
+    for impl in measured_candidates("moe_impl"):
+        for name, rows in programs.items():
+            say(f"timing the {impl} expert path ({name})")
+            timings[name][impl] = 1e3 * statistics.median(time_calls(impl, rows)) / STEPS
     timings = multihost.share(timings)
     best = {name: min(t, key=t.get) for name, t in timings.items()}
-    engine.use_expert_paths(best["all rows"], best.get("one row", best["all rows"]))
-    engine.moe_timings = timings
     say("expert paths: " + "; ".join(
         f"{name} {best[name]} (" + ", ".join(f"{k} {v:.2f}" for k, v in t.items()) + " ms/step)"
         for name, t in timings.items()))
-
-
-def _time(engine: Engine, candidates: tuple[str, ...], programs: dict[str, int],
-          decode: DecodeConfig, prompt: np.ndarray,
-          say: Callable[[str], None]) -> dict[str, dict[str, float]]:
-    """{program: {path: median ms per decode step}}."""
-    timings: dict[str, dict[str, float]] = {name: {} for name in programs}
-    for impl in candidates:
-        engine.use_expert_paths(impl, impl)
-        for name, rows in programs.items():
-            say(f"timing the {impl} expert path ({name})")
-            state = engine.admit(engine.empty_state(), dict.fromkeys(range(rows),
-                                                                     (prompt, decode)))
-            state = engine.decode_call(state, STEPS)  # compiles
-            seconds = []
-            for _ in range(CALLS):
-                t = time.perf_counter()
-                state = engine.decode_call(state, STEPS)  # returns once the steps ran
-                seconds.append(time.perf_counter() - t)
-            engine.release(range(rows))
-            timings[name][impl] = 1e3 * statistics.median(seconds) / STEPS
-    return timings
+    return best, timings

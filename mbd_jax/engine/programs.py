@@ -21,6 +21,7 @@ from mbd_jax.config import ModelConfig
 from mbd_jax.decoding import loop
 from mbd_jax.decoding.block_buffer import DecodeState
 from mbd_jax.engine import transfer
+from mbd_jax.model import sharding
 from mbd_jax.model.transformer import Transformer, cache_type
 from mbd_jax.parallel import mesh as meshlib
 
@@ -53,7 +54,7 @@ def programs(cfg: ModelConfig, mesh: jax.sharding.Mesh, batch_size: int, capacit
     in `n_pages` pages, and a compiled N_buf of `buffer_size`, on `mesh`."""
     cache = cache_type(cfg)
     replicated = meshlib.replicated(mesh)
-    kv_sharding = meshlib.cache_shardings(cfg, mesh, batch_size, capacity, n_pages)
+    kv_sharding = sharding.cache_shardings(cfg, mesh, batch_size, capacity, n_pages)
     apply_fn = Transformer(cfg, mesh).apply
     return Programs(
         kv_sharding=kv_sharding,
@@ -95,7 +96,7 @@ def prefix_programs(cfg: ModelConfig, mesh: jax.sharding.Mesh, batch_size: int, 
     `dtype` (a NumPy dtype name), staging `blocks_per_call` blocks per decode call."""
     cache = cache_type(cfg)
     replicated = meshlib.replicated(mesh)
-    kv_sharding = meshlib.cache_shardings(cfg, mesh, batch_size, capacity, n_pages)
+    kv_sharding = sharding.cache_shardings(cfg, mesh, batch_size, capacity, n_pages)
     staging = (blocks_per_call, *cache.entry_shape(cfg, cfg.block_size))
     snapshot = cache.state_entry_shape(cfg)
     hybrid = snapshot is not None

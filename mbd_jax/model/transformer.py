@@ -36,6 +36,7 @@ from mbd_jax.model.gated_deltanet import GatedDeltaNet
 from mbd_jax.model.kv_cache import KVCache
 from mbd_jax.model.params import NORMAL, draw_normals, expert_weight, norm_weight, param
 from mbd_jax.parallel.expert import sharded_experts
+from mbd_jax.parallel.mesh import tree_shardings
 
 
 class Attention(nn.Module):
@@ -208,9 +209,7 @@ def init_params(cfg: ModelConfig, seed: int | None = None, mesh: Mesh | None = N
     key = jax.random.PRNGKey(cfg.seed if seed is None else seed)
     shardings = None
     if mesh is not None:
-        from mbd_jax.parallel.mesh import param_shardings
-
-        shardings = param_shardings(cfg, mesh)
+        shardings = tree_shardings(param_logical_axes(cfg), param_shapes(cfg), mesh)
 
     def init(k):
         boxed = model.init(k, tokens, ForwardMeta.explicit(tokens, mask))["params"]

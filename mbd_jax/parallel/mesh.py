@@ -7,7 +7,7 @@ heads, KV heads, MLP hidden and vocab split on `tensor`, experts on `expert`, ba
 mesh), so every preset runs on every mesh shape.
 
     mesh = make_mesh(parse_mesh("data=1,expert=4,tensor=2"))
-    params = jax.device_put(params, param_shardings(cfg, mesh))
+    params = jax.device_put(params, model.sharding.param_shardings(cfg, mesh))
 
 The engine keeps its decode state replicated (every process reads it after each call) and its
 KV pool split like the KV heads; the routed experts run inside shard_map (parallel/expert.py).
@@ -22,7 +22,6 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mbd_jax.config import ModelConfig
 from mbd_jax.errors import UserError
 
 AXES = ("data", "expert", "tensor")
@@ -92,14 +91,13 @@ def spec_for(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh
     return P(*out)
 
 
-def param_shardings(cfg: ModelConfig, mesh: Mesh) -> Any:
-    """A tree of NamedShardings shaped like the parameters."""
-    from mbd_jax.model.transformer import param_logical_axes, param_shapes
-
-    logical = param_logical_axes(cfg)
-    shapes = param_shapes(cfg)
-    return jax.tree.map(lambda spec, s: NamedSharding(mesh, spec_for(tuple(spec), s.shape, mesh)),
-                        logical, shapes, is_leaf=lambda x: isinstance(x, P))
+def tree_shardings(logical: Any, shapes: Any, mesh: Mesh) -> Any:
+    """NamedShardings for a tree of arrays (`shapes`: anything with `.shape`) whose logical axis
+    names are the matching leaves of `logical` (tuples of names, or PartitionSpecs)."""
+    is_axes = lambda x: isinstance(x, P) or (isinstance(x, tuple) and all(  # noqa: E731
+        a is None or isinstance(a, str) for a in x))
+    return jax.tree.map(lambda axes, s: NamedSharding(mesh, spec_for(tuple(axes), s.shape, mesh)),
+                        logical, shapes, is_leaf=is_axes)
 
 
 def single_device_mesh() -> Mesh:
@@ -109,29 +107,3 @@ def single_device_mesh() -> Mesh:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
-
-
-def cache_shardings(cfg: ModelConfig, mesh: Mesh, batch: int, capacity: int,
-                    pages: int | None = None) -> Any:
-    """The model's cache (transformer.cache_type) as a tree of shardings, from the logical axes
-    the cache names: KV heads on `tensor`; the KV pool's pages (any row's) and the page table
-    replicated over `data`."""
-    from mbd_jax.model.transformer import cache_type
-
-    cache = cache_type(cfg)
-    shapes = jax.eval_shape(lambda: cache.allocate(cfg, batch, capacity, pages))
-    is_axes = lambda x: isinstance(x, tuple) and all(  # noqa: E731
-        a is None or isinstance(a, str) for a in x)
-    return jax.tree.map(lambda axes, s: NamedSharding(mesh, spec_for(axes, s.shape, mesh)),
-                        cache.logical_axes(cfg), shapes, is_leaf=is_axes)
-
-
-def abstract_params(cfg: ModelConfig, mesh: Mesh) -> Any:
-    """ShapeDtypeStructs of the parameters (in `cfg`'s runtime layout) carrying their shardings:
-    a restore target that reads each device's shard straight into place (orbax), with no full
-    host copy."""
-    from mbd_jax.model.transformer import param_shapes
-
-    shapes = param_shapes(cfg)
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        shapes, param_shardings(cfg, mesh))

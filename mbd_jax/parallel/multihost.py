@@ -8,8 +8,8 @@ prints, writes files) and broadcasts over the device collectives what the others
   of an `Engine.generate` is a pure function of them, so every process computes the same host
   arrays and makes the same calls;
 - the service: process 0's scheduler decides when to admit, prefill, decode and cancel from
-  timing and client traffic, so `EngineLeader` sends every state-changing engine call to the
-  followers (`follow`) before making it itself.
+  timing and client traffic, so its engine sends every state-changing call to the followers
+  first (engine/mirror.py).
 
     mbd-jax serve --mesh expert=-1 --coordinator host0:1234 --num-processes 2 --process-id 0
     (or MBD_COORDINATOR / MBD_NUM_PROCESSES / MBD_PROCESS_ID; docs/multihost.md)
@@ -21,8 +21,6 @@ import argparse
 import logging
 import os
 import pickle
-import threading
-import time
 from typing import Any
 
 import jax
@@ -135,103 +133,3 @@ def share(obj: Any) -> Any:
     buf[: len(payload)] = np.frombuffer(payload, np.uint8)
     out = multihost_utils.broadcast_one_to_all(buf.view(np.int32))
     return pickle.loads(np.asarray(out).view(np.uint8)[:n].tobytes())
-
-
-class EngineLeader:
-    """Process 0's engine in a multi-process service: every state-changing call is first sent
-    to the followers, which make the same call on their engine (`follow`). Reads (cfg,
-    host_view, result_of, ...) go straight to the engine. An idle leader sends a heartbeat every
-    heartbeat_seconds() so the followers' wait never times out."""
-
-    def __init__(self, engine) -> None:
-        self.engine = engine
-        self.heartbeat_s = heartbeat_seconds()
-        self._lock = threading.Lock()  # one call (send + make) at a time, in one order
-        self._last = time.monotonic()
-        self._closed = False
-        threading.Thread(target=self._heartbeat, name="mbd-heartbeat", daemon=True).start()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
-
-    def _call(self, command: tuple, fn, *args):
-        with self._lock:
-            share(command)
-            self._last = time.monotonic()
-            return fn(*args)
-
-    def _heartbeat(self) -> None:
-        while not self._closed:
-            time.sleep(1.0)
-            with self._lock:
-                if not self._closed and time.monotonic() - self._last > self.heartbeat_s:
-                    share(("noop",))
-                    self._last = time.monotonic()
-
-    def warmup(self, progress=None) -> None:
-        """The followers compile silently; `progress` reports process 0's steps."""
-        self._call(("warmup",), self.engine.warmup, progress)
-
-    def empty_state(self):
-        return self._call(("empty_state",), self.engine.empty_state)
-
-    def begin_admit(self, requests, prefetched=None):  # (no prefix cache across processes)
-        return self._call(("begin_admit", requests), self.engine.begin_admit, requests)
-
-    def prefill_step(self, adm) -> bool:
-        return self._call(("prefill_step",), self.engine.prefill_step, adm)
-
-    def finish_admit(self, state, adm):
-        return self._call(("finish_admit",), self.engine.finish_admit, state, adm)
-
-    def decode_call(self, state, max_steps=None):
-        return self._call(("decode_call", max_steps), self.engine.decode_call, state, max_steps)
-
-    def cancel(self, state, rows):
-        return self._call(("cancel", list(rows)), self.engine.cancel, state, rows)
-
-    def release(self, rows) -> None:
-        self._call(("release", [int(r) for r in rows]), self.engine.release, rows)
-
-    def reset_buffers(self) -> None:
-        self._call(("reset_buffers",), self.engine.reset_buffers)
-
-    def close(self) -> None:
-        """Tells the followers to exit."""
-        with self._lock:
-            if not self._closed:
-                self._closed = True
-                share(("stop",))
-
-
-def follow(engine) -> None:
-    """A follower process of the service: makes the leader's engine calls until it stops."""
-    state = adm = None
-    while True:
-        command = share(None)
-        name, args = command[0], command[1:]
-        if name == "stop":
-            return
-        try:
-            if name == "warmup":
-                engine.warmup()
-            elif name == "empty_state":
-                state = engine.empty_state()
-            elif name == "begin_admit":
-                adm = engine.begin_admit(*args)
-            elif name == "prefill_step":
-                engine.prefill_step(adm)
-            elif name == "finish_admit":
-                state = engine.finish_admit(state, adm)
-            elif name == "decode_call":
-                state = engine.decode_call(state, *args)
-            elif name == "cancel":
-                state = engine.cancel(state, *args)
-            elif name == "release":
-                engine.release(*args)
-            elif name == "reset_buffers":
-                engine.reset_buffers()
-        except UserError as e:  # the leader hit the same error and answered its client
-            log.info("follower: %s: %s", name, e)
-        except Exception:  # the leader failed the same step and recovers; so does this process
-            log.exception("follower: %s failed", name)

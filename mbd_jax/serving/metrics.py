@@ -110,49 +110,53 @@ class Metrics:
         if engine is not None:
             self._read.add("mbd_kv_pool_prefix_tokens", "Prompt tokens mapped from prefix pages "
                            "another request left in the KV pool (neither prefilled nor loaded)",
-                           lambda: engine.pool_hit_tokens)
-        if engine is not None and engine.prefix_store is not None:
-            self._prefix_cache(engine)
+                           lambda: engine.stats().pool_hit_tokens)
+        if engine is not None and engine.prefix_cache:
+            self._prefix_cache(engine.stats)
 
-    def _prefix_cache(self, engine) -> None:
-        """Gauges read from the prefix store and the offloader when scraped."""
-        r, store, off = self.registry, engine.prefix_store, engine.offloader
-        st = store.stats
-
-        def gauge(name: str, doc: str, fn) -> None:
-            Gauge(name, doc, registry=r).set_function(fn)
-
-        counter = self._read.add
-        counter("mbd_prefix_cache_hit_blocks", "Prompt blocks served from the prefix store (the "
-                "blocks past what the KV pool maps)",
-                lambda: st.hits)
-        counter("mbd_prefix_cache_miss_blocks", "Prompt blocks looked up and not found",
-                lambda: st.misses)
-        gauge("mbd_prefix_cache_hit_ratio", "hit / (hit + miss) blocks",
-              lambda: st.hits / max(st.hits + st.misses, 1))
+    def _prefix_cache(self, stats) -> None:
+        """Counters and gauges read from the engine's statistics snapshot (`stats()`: the prefix
+        store's and the offloader's counters) when scraped."""
+        r = self.registry
+        hit_ratio = lambda st: st.hits / max(st.hits + st.misses, 1)  # noqa: E731
+        metrics = [  # (counter or gauge, name, help, the value from one snapshot)
+            ("counter", "mbd_prefix_cache_hit_blocks", "Prompt blocks served from the prefix store "
+             "(the blocks past what the KV pool maps)", lambda s: s.store.hits),
+            ("counter", "mbd_prefix_cache_miss_blocks", "Prompt blocks looked up and not found",
+             lambda s: s.store.misses),
+            ("gauge", "mbd_prefix_cache_hit_ratio", "hit / (hit + miss) blocks",
+             lambda s: hit_ratio(s.store)),
+            ("counter", "mbd_prefix_cache_evictions", "Entries evicted (RAM LRU, disk capacity or "
+             "TTL)", lambda s: s.store.evictions),
+            ("counter", "mbd_prefix_cache_corrupt_entries", "Disk entries that failed their "
+             "checksum", lambda s: s.store.corrupt),
+            ("gauge", "mbd_kv_offload_queue_depth", "Staged KV buffers waiting for the host drain",
+             lambda s: s.offload.queue_depth),
+            ("counter", "mbd_kv_offload_blocking_waits", "Times the engine thread waited on a host "
+             "copy", lambda s: s.offload.blocking_waits),
+            ("counter", "mbd_kv_offload_deferred_calls", "Decode calls that staged nothing because "
+             "both staging buffers were still draining (their blocks wait for a later call)",
+             lambda s: s.offload.deferred_calls),
+            ("counter", "mbd_kv_offload_settle_waits", "Prefix lookups that waited for a staged KV "
+             "buffer holding blocks they asked for (not yet drained to the store)",
+             lambda s: s.offload.settle_waits),
+            ("counter", "mbd_prefix_cache_disk_dropped", "Blocks not written to disk: the write "
+             "queue was full", lambda s: s.store.disk_dropped),
+            ("gauge", "mbd_prefix_cache_disk_entries", "Entries in the disk tier",
+             lambda s: s.store.disk_entries),
+            ("counter", "mbd_prefix_cache_seconds_saved", "Prefill time saved by hits (hit tokens "
+             "x the measured prefill seconds per token)",
+             lambda s: s.prefix_hit_tokens * s.prefill_seconds_per_token),
+        ]
+        for kind, name, doc, value in metrics:
+            read = lambda value=value: value(stats())  # noqa: E731
+            if kind == "counter":
+                self._read.add(name, doc, read)
+            else:
+                Gauge(name, doc, registry=r).set_function(read)
         tiers = Gauge("mbd_prefix_cache_bytes", "Bytes held per tier", ["tier"], registry=r)
-        tiers.labels(tier="ram").set_function(lambda: st.ram_bytes)
-        tiers.labels(tier="disk").set_function(lambda: st.disk_bytes)
-        counter("mbd_prefix_cache_evictions", "Entries evicted (RAM LRU, disk capacity or TTL)",
-                lambda: st.evictions)
-        counter("mbd_prefix_cache_corrupt_entries", "Disk entries that failed their checksum",
-                lambda: st.corrupt)
-        gauge("mbd_kv_offload_queue_depth", "Staged KV buffers waiting for the host drain",
-              lambda: off.stats.queue_depth)
-        counter("mbd_kv_offload_blocking_waits", "Times the engine thread waited on a host copy",
-                lambda: off.stats.blocking_waits)
-        counter("mbd_kv_offload_deferred_calls", "Decode calls that staged nothing because both "
-                "staging buffers were still draining (their blocks wait for a later call)",
-                lambda: off.stats.deferred_calls)
-        counter("mbd_kv_offload_settle_waits", "Prefix lookups that waited for a staged KV "
-                "buffer holding blocks they asked for (not yet drained to the store)",
-                lambda: off.stats.settle_waits)
-        counter("mbd_prefix_cache_disk_dropped", "Blocks not written to disk: the write queue was "
-                "full", lambda: st.disk_dropped)
-        gauge("mbd_prefix_cache_disk_entries", "Entries in the disk tier", lambda: st.disk_entries)
-        counter("mbd_prefix_cache_seconds_saved", "Prefill time saved by hits (hit tokens x the "
-                "measured prefill seconds per token)",
-                lambda: engine.prefix_hit_tokens * engine.prefill_seconds_per_token)
+        tiers.labels(tier="ram").set_function(lambda: stats().store.ram_bytes)
+        tiers.labels(tier="disk").set_function(lambda: stats().store.disk_bytes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -138,8 +138,7 @@ class Scheduler:
             self._lock.notify()
         self._thread.join(timeout=30)
         self._voting.shutdown(wait=True, cancel_futures=False)
-        if self.engine.offloader is not None:  # persist what is staged before exiting
-            self.engine.offloader.close()
+        self.engine.close()  # persist what is staged for the prefix cache before exiting
 
     # ------------------------------------------------------------ the engine thread
     def _run(self) -> None:
@@ -207,7 +206,7 @@ class Scheduler:
             return state, admission, False
         self._touched, self._in_decode = set(self._rows), True  # one program runs every row
         state = self.engine.decode_call(state, self.cfg.server.steps_per_call)
-        seconds, steps = self.engine.call_log[-1]
+        seconds, steps = self.engine.stats().recent_calls[-1]
         if steps:
             self.metrics.decode_step.observe(seconds / steps)
         stopped = self._publish(self._fetch(state))
@@ -283,7 +282,7 @@ class Scheduler:
     def _prefetch(self) -> None:
         """Warm-up: looks the next queued requests up in the prefix cache and starts copying their
         blocks to the device while they wait (at most one batch of rows ahead)."""
-        if self.engine.prefix_store is None:
+        if not self.engine.prefix_cache:
             return
         with self._lock:
             ahead = [r for q in (self._queues[False], self._queues[True]) for r in q
@@ -298,14 +297,12 @@ class Scheduler:
         rest behind it) until the pool has its pages, or for the next admission when its first
         page is one a request picked here is about to prefill (it then maps those pages)."""
         free = [i for i in range(self.engine.batch_size) if i not in self._rows]
-        idle = [row for row in free if self.engine.pages.held[row]]
-        if idle:
-            self.engine.release(idle)
+        self.engine.release(free)  # rows no request holds give their pages back
         if not free:
             return None
         thinking_rows = sum(r.thinking for r in self._rows.values())
         picked: dict[int, Request] = {}
-        pages = self.engine.pages.free
+        pages = self.engine.stats().pages_free
         with self._lock:
             for row in free:
                 q = self._queues[False]
@@ -397,7 +394,7 @@ class Scheduler:
         if finished:
             self.engine.release(finished)
         self.metrics.busy_rows.set(len(self._rows))
-        self.metrics.kv_usage.set(self.engine.pages.in_use / self.engine.pages.num_pages)
+        self.metrics.kv_usage.set(self.engine.stats().kv_usage)
         return stopped
 
     def _finish(self, r: Request, host, row: int, now: float, by_stop: bool = False) -> None:

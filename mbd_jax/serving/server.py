@@ -10,7 +10,7 @@ drain, 3 when accepted requests were cut by the drain timeout, 1 when the engine
 (the process exits then rather than serve without an engine; /health says 503 meanwhile).
 
 Across several processes (--coordinator ...), process 0 serves HTTP and drives the engine; the
-others only mirror its engine calls (parallel/multihost.py) and exit when it stops.
+others only mirror its engine calls (engine/mirror.py) and exit when it stops.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from mbd_jax.cache.prefix_store import PrefixStore, model_identity
 from mbd_jax.checkpoint import load_model
 from mbd_jax.config import (MonitoringConfig, ServeConfig, ServerConfig, model_version,
                             resolve_model_path)
-from mbd_jax.engine import Engine
+from mbd_jax.engine import Engine, mirror
 from mbd_jax.errors import UserError
 from mbd_jax.parallel import multihost
 from mbd_jax.serving.app import Service, build_apps
@@ -100,7 +100,7 @@ def build_service(cfg: ServeConfig, api_keys: list[str], profile_dir: str = "pro
     engine = build_engine(cfg, mesh)
     load_seconds = time.monotonic() - t0
     if jax.process_count() > 1:  # process 0: every engine call goes to the followers first
-        engine = multihost.EngineLeader(engine)
+        engine = mirror.EngineLeader(engine)
     metrics = Metrics(engine)
     metrics.model_load.set(load_seconds)
     config_path = resolve_model_path(cfg.model)
@@ -235,7 +235,7 @@ def serve(cfg: ServeConfig, api_keys: list[str], mesh: jax.sharding.Mesh | None 
     cache = compile_cache.enable(cfg.server.compile_cache, "server.compile_cache")  # first compile
     cfg = multihost.share(cfg)  # process 0's config builds every process's engine
     if not multihost.is_leader():  # a follower: mirror process 0's engine calls until it stops
-        multihost.follow(build_engine(cfg, mesh))
+        mirror.follow(build_engine(cfg, mesh))
         return 0
     sockets = listen(cfg)
     tls = tls_context(cfg.server)
@@ -248,7 +248,5 @@ def serve(cfg: ServeConfig, api_keys: list[str], mesh: jax.sharding.Mesh | None 
     try:
         code = asyncio.run(_serve(svc, sockets, tls))
     finally:
-        svc.scheduler.stop()
-        if isinstance(svc.scheduler.engine, multihost.EngineLeader):
-            svc.scheduler.engine.close()
+        svc.scheduler.stop()  # closes the engine (and tells the followers to exit)
     return EXIT_ENGINE_FAILED if svc.scheduler.error is not None else code

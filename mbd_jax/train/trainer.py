@@ -34,7 +34,8 @@ from mbd_jax.config import SHIPPED_MODEL_DIR, ModelConfig
 from mbd_jax.errors import UserError
 from mbd_jax.model import layout, moe
 from mbd_jax.model.transformer import Transformer
-from mbd_jax.parallel.mesh import make_mesh, param_shardings
+from mbd_jax.model.sharding import param_shardings
+from mbd_jax.parallel.mesh import make_mesh
 from mbd_jax.tokenizer import Tokenizer
 from mbd_jax.train import objective, tasks
 from mbd_jax.train.config import TrainConfig
