@@ -284,7 +284,8 @@ def test_a_shared_prefix_is_held_once_and_decodes_like_no_sharing():
         if run == "generate":
             got = [r.token_ids for r in eng.generate([p for p, _ in work[:4]],
                                                      [d for _, d in work[:4]])]
-            assert eng.pages.refs[eng.pages.held[0][:3]].tolist() == [4, 4, 4]
+            # each row gave its pages back as it finished; the shared prefix stays cached
+            assert eng.pages.in_use == 0 and eng.pages.cached == 3
         else:
             got = [e[1].token_ids for e in serve(eng, work[:4])]
         assert got == want[:4], run

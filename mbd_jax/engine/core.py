@@ -37,6 +37,7 @@ from mbd_jax.engine.pages import PagePool, page_keys
 from mbd_jax.engine.prefix import PrefixGlue, PrefixHit
 from mbd_jax.engine.programs import prefix_programs, programs
 from mbd_jax.engine.results import GenerationResult
+from mbd_jax.engine.rows import EngineRequest, Row, RowEvent, RowTable, StepOutcome
 from mbd_jax.engine.stats import RECENT_CALLS, EngineStats
 from mbd_jax.engine.transfer import RowFetcher, RowPacker
 from mbd_jax.errors import UserError
@@ -133,6 +134,10 @@ class Engine:
         self._host: tuple[DecodeState, DecodeState] | None = None  # (device, host): host_view
         self._done: tuple[DecodeState, np.ndarray] | None = None  # (device, host): done_rows
         self._row_ids = [self._put(np.array([i], np.int32)) for i in range(batch_size)]
+        # step(): one record per busy row, the running decode state, the admission in progress
+        self.rows = RowTable(batch_size)
+        self._state: DecodeState | None = None
+        self._admission: Admission | None = None
         self.prefix_store = prefix_store
         self.prefix_hit_tokens = 0  # prompt tokens not prefilled: from the pool's pages or the store
         self.pool_hit_tokens = 0  # of those, the ones mapped from the pool's shared prefix pages
@@ -349,8 +354,10 @@ class Engine:
     # ---------------------------------------------------------------- public API
     def generate(self, prompts: Sequence[Sequence[int]],
                  decode: DecodeConfig | Sequence[DecodeConfig] = DecodeConfig()) -> list[GenerationResult]:
-        """Generates for every prompt (token ids), batch_size rows at a time. On several
-        processes, process 0's prompts and decode configs are used by all (multihost.share)."""
+        """Generates for every prompt (token ids): as many at a time as fit in the rows and the
+        KV pool, each such batch stepped (step()) until it is done. On several processes,
+        process 0's prompts and decode configs are used by all (multihost.share). A result's
+        `seconds` is its batch's time to it."""
         decodes = list(decode) if isinstance(decode, (list, tuple)) else [decode] * len(prompts)
         prompts, decodes = multihost.share((list(prompts), decodes))
         if len(decodes) != len(prompts):
@@ -359,34 +366,177 @@ class Engine:
             self.check_prompt(p, where=f"prompt[{i}]")
             self.check_decode(d, where=f"decoding[{i}]")
             self.check_fits(p, d, where=f"decoding[{i}]")
+        if len(self.rows):
+            raise RuntimeError("generate needs an idle engine (its rows are busy)")
         self.release(range(self.batch_size))  # generate owns every row (the last call's too)
-        results: list[GenerationResult] = []
+        requests = [EngineRequest(p, d, logprobs=True, stream=False, tag=i)
+                    for i, (p, d) in enumerate(zip(prompts, decodes))]
+        results: list[GenerationResult | None] = [None] * len(requests)
         s = 0
-        while s < len(prompts):  # as many as fit in the rows and the KV pool at once
+        while s < len(requests):  # as many as fit in the rows and the KV pool at once
             e, pages = s, 0
-            while e < len(prompts) and e - s < self.batch_size:
+            while e < len(requests) and e - s < self.batch_size:
                 cost = self.pages_to_admit(prompts[e], decodes[e])
                 if pages + cost > self.pages.free:
                     break
                 pages, e = pages + cost, e + 1
-            results += self._generate_batch([np.asarray(p, np.int32) for p in prompts[s: e]],
-                                            decodes[s: e])
+            t0 = time.perf_counter()
+            waiting = requests[s: e]
+            while waiting or len(self.rows):
+                out = self.step(waiting)
+                if out.error is not None:
+                    raise out.error
+                waiting = [r for r in waiting if r not in out.admitted]
+                for event in out.events:
+                    if event.finished:
+                        results[event.request.tag] = event.result(time.perf_counter() - t0)
             s = e
-            if s < len(prompts):
-                self.release(range(self.batch_size))
+        self.went_idle()
         return results
 
-    def _generate_batch(self, prompts: list[np.ndarray], decodes: list[DecodeConfig]) -> list[GenerationResult]:
-        """Rows 0..n-1 get the prompts (the rest stay free): the service's admission path."""
-        t0 = time.perf_counter()
-        later = self._admitted_later(prompts, self._indexed)  # after the prompt they share with
-        rows = dict(enumerate(zip(prompts, decodes)))
-        state = self.admit(None, {i: r for i, r in rows.items() if i not in later})
-        if later:
-            state = self.admit(state, {i: rows[i] for i in sorted(later)})
-        state = self.run_decode(state)
-        self.went_idle()
-        return self.results(state, len(prompts), time.perf_counter() - t0, decodes)
+    # ---------------------------------------------------------------- one step
+    def step(self, candidates: Sequence[EngineRequest] = (),
+             max_steps: int | None = None) -> StepOutcome:
+        """One engine step: end the rows `end` asked for -> admit the longest prefix of
+        `candidates` that fits (free rows, KV pages, the shared-prefix rule; only when no
+        admission is in progress) -> one prefill round of the admission in progress -> one
+        decode call over the decoding rows (max_steps, default steps_per_call) -> an event per
+        row that committed tokens or finished. A failure fails the requests it touched (every
+        row when the device buffers went down with it, which are then allocated afresh) and is
+        reported in the outcome; the engine goes on."""
+        out, touched, in_decode = StepOutcome(), set(), False
+        try:
+            self._end_rows(out)
+            if self._admission is None and candidates:
+                self._admit(candidates, out, touched)
+            if self._admission is not None:
+                touched = set(self.rows.prefilling())
+                if self.prefill_step(self._admission):
+                    self._state = self.finish_admit(self._running(), self._admission)
+                    for row in touched:
+                        self.rows[row].prefilling = False
+                    self._admission = None
+            if self.rows.decoding():
+                touched, in_decode = {i for i, _ in self.rows.items()}, True
+                self._state = self.decode_call(self._running(), max_steps)
+                self._publish(out)
+                out.decoded = True
+        except Exception as e:  # noqa: BLE001 - reported, and the engine goes on
+            self._fail(e, touched, in_decode, out)
+        return out
+
+    def end(self, request: EngineRequest, how: str = "cancel") -> None:
+        """Ends a running request at the next step: "cancel" frees its row with no event (a
+        client went away, a deadline passed), "stop" finishes it with the tokens its events
+        handed out (a stop string ended its text). A request still prefilling ends once its
+        admission is done."""
+        index = self.rows.find(request)
+        if index is not None:
+            self.rows[index].ending = how
+
+    def _running(self) -> DecodeState:
+        if self._state is None:
+            self._state = self.empty_state()
+        return self._state
+
+    def _admit(self, candidates: Sequence[EngineRequest], out: StepOutcome,
+               touched: set[int]) -> None:
+        """Starts the admission of the longest prefix of `candidates` that fits; its rows join
+        `touched` before anything can fail. Rows no request holds give their KV pages back
+        first."""
+        free = self.rows.free()
+        self.release(free)
+        budget = self.pages.free
+        picked: dict[int, EngineRequest] = {}
+        for request in candidates[: len(free)]:
+            cost = self.pages_to_admit(request.prompt, request.decode)
+            if cost > budget or self.waits_for(request.prompt, [r.prompt for r in picked.values()]):
+                break  # (a shared first page: the next admission maps it, not prefills)
+            budget -= cost
+            picked[free[len(picked)]] = request
+        for row, request in picked.items():  # busy from here: a failure fails them
+            self.rows.add(row, Row(request))
+            touched.add(row)
+        out.admitted = list(picked.values())
+        if picked:
+            self._admission = self.begin_admit(
+                {row: (r.prompt, r.decode) for row, r in picked.items()},
+                prefetched={row: r.prefix for row, r in picked.items()})
+            for row, request in picked.items():
+                request.cached_tokens = int(self._admission.start[row])
+
+    def _end_rows(self, out: StepOutcome) -> None:
+        """Frees the decoding rows `end` asked for; a stopped one gets its finished event."""
+        ending = [i for i in self.rows.decoding() if self.rows[i].ending]
+        if not ending:
+            return
+        host = self.host_view(self._state, logprobs=True)
+        for i in ending:
+            row = self.rows.pop(i)
+            if row.ending == "stop":
+                out.events.append(RowEvent(row.request, [], None, finished=True,
+                                           result=functools.partial(self._stopped, host, i, row)))
+        self._state = self.cancel(self._state, ending)
+        self.release(ending)
+
+    def _stopped(self, host: DecodeState, i: int, row: Row, seconds: float) -> GenerationResult:
+        """The result of a row a stop string ended: the tokens its events handed out."""
+        p0 = int(host.prompt_len[i])
+        result = self.result_of(host, i, seconds)
+        lps = host.logprob[i, p0: p0 + row.emitted].tolist() if row.request.logprobs else None
+        return dataclasses.replace(result, token_ids=host.canvas[i, p0: p0 + row.emitted].tolist(),
+                                   finish_reason="stop", logprobs=lps)
+
+    def _publish(self, out: StepOutcome) -> None:
+        """An event per decoding row with new committed tokens or a finish; finished rows are
+        freed (their pages given back)."""
+        blk = self.cfg.block_size
+        decoding = self.rows.decoding()
+        if not (any(self.rows[i].request.stream for i in decoding)
+                or self.done_rows(self._state)[decoding].any()):
+            return  # nothing to tell: only `done` was fetched
+        host = self.host_view(self._state, logprobs=any(
+            r.request.logprobs for _, r in self.rows.items()))
+        if any(host.done[i] and r.request.decode.voting is not None
+               for i, r in self.rows.items() if not r.prefilling):
+            host = host.replace(trajectory=jax.device_get(self._state.trajectory))
+        finished = []
+        for i in decoding:
+            row = self.rows[i]
+            p0, done = int(host.prompt_len[i]), bool(host.done[i])
+            if done:
+                new = self.output_ids(host, i)[row.emitted:]
+            else:  # committed or final (TO_CACHE) blocks never change
+                end = int(host.cached_len[i]) + int(host.n_to_cache[i]) * blk
+                new = host.canvas[i, p0 + row.emitted: max(end, p0)].tolist()
+            lps = None
+            if row.request.logprobs:
+                lps = host.logprob[i, p0 + row.emitted: p0 + row.emitted + len(new)].tolist()
+            row.emitted += len(new)
+            if new or done:
+                out.events.append(RowEvent(row.request, new, lps, finished=done))
+            if done:
+                out.events[-1].result = functools.partial(self.result_of, host, i,
+                                                          decode=row.request.decode)
+                finished.append(i)
+                self.rows.pop(i)
+        self.release(finished)
+
+    def _fail(self, error: Exception, touched: set[int], in_decode: bool,
+              out: StepOutcome) -> None:
+        """After a failed call: fails the requests it touched and frees their rows; when the
+        device buffers went down with it, every row fails and they are allocated afresh."""
+        lost = not self.buffers_intact(self._running())
+        victims = {i for i, _ in self.rows.items()} if lost else touched
+        out.failed = [self.rows.pop(i).request for i in sorted(victims) if i in self.rows]
+        out.error, out.decode_failed = error, in_decode
+        if self._admission is not None and set(np.flatnonzero(self._admission.rows)) & victims:
+            self._admission = None
+        if lost:
+            self.reset_buffers()
+        elif victims:
+            self._state = self.cancel(self._state, sorted(victims))
+            self.release(sorted(victims))
 
     def went_idle(self) -> None:
         """No decode call follows for now: blocks staged for the prefix store go there now."""
@@ -588,6 +738,8 @@ class Engine:
         self.pages = PagePool(pool.num_pages, pool.page, self.batch_size, pool.pages_per_row)
         self._sync_table()
         self._host = self._done = None
+        self.rows = RowTable(self.batch_size)
+        self._state = self._admission = None
         if self.offloader is not None:
             for row in range(self.batch_size):
                 self.offloader.reset_row(row, 0)

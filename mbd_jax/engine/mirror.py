@@ -11,6 +11,7 @@ on every process, never silently on process 0 alone.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import threading
@@ -19,23 +20,25 @@ from typing import Any
 
 from mbd_jax.decoding.block_buffer import DecodeState
 from mbd_jax.engine.admission import Admission
+from mbd_jax.engine.rows import EngineRequest
 from mbd_jax.errors import UserError
 from mbd_jax.parallel import multihost
 
 log = logging.getLogger(__name__)
 
 # Engine calls every process makes: name -> what the result is on a follower (its decode state,
-# its admission, or nothing kept)
+# its admission, or nothing kept). The service's scheduler makes only the first four; the rest
+# are the step's parts, for drivers that run them one by one.
 MIRRORED: dict[str, str | None] = {
-    "warmup": None, "empty_state": "state", "begin_admit": "admission", "prefill_step": None,
+    "warmup": None, "step": None, "end": None, "went_idle": None,
+    "empty_state": "state", "begin_admit": "admission", "prefill_step": None,
     "finish_admit": "state", "decode_call": "state", "cancel": "state", "release": None,
-    "reset_buffers": None, "went_idle": None,
+    "reset_buffers": None,
 }
-# What the leader reads from its own engine alone (host-side checks, views and statistics)
+# What the leader reads from its own engine alone (host-side checks, lookups and statistics)
 READS = frozenset({
     "cfg", "tokenizer", "batch_size", "buffer_size", "mesh", "prefix_cache", "check_prompt",
-    "check_decode", "check_fits", "pages_to_admit", "waits_for", "prefetch", "host_view",
-    "done_rows", "output_ids", "result_of", "buffers_intact", "stats",
+    "check_decode", "check_fits", "prefetch", "stats", "host_view", "done_rows",
 })
 
 
@@ -52,6 +55,10 @@ def _portable(arg: Any) -> Any:
         return _Local.STATE
     if isinstance(arg, Admission):
         return _Local.ADMISSION
+    if isinstance(arg, EngineRequest):  # the driver's handle and device arrays stay here
+        return dataclasses.replace(arg, tag=None, prefix=None)
+    if isinstance(arg, (list, tuple)):
+        return [_portable(a) for a in arg]
     if callable(arg):  # a progress callback: the followers run silently
         return None
     return arg
