@@ -18,7 +18,7 @@ import numpy as np
 from mbd_jax import compile_stats
 from mbd_jax.config import DecodeConfig, ModelConfig
 from mbd_jax.engine import Engine
-from mbd_jax.model import layout
+from mbd_jax.model import layout, sizes
 
 
 def matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
@@ -39,7 +39,7 @@ def step_flops(cfg: ModelConfig, batch: int, window: int, context: float) -> flo
     plus, per attention layer, scores and values over `context` visible keys, and per
     linear-attention layer the delta rule's state work (decay, read, correction, write: about
     6 x Hv x Dk x Dv per token, whatever the context) (routed experts only)."""
-    per_token = 2 * (cfg.active_params_per_token() - cfg.vocab_size * cfg.hidden_size)
+    per_token = 2 * (sizes.active_params_per_token(cfg) - cfg.vocab_size * cfg.hidden_size)
     if cfg.tie_word_embeddings:  # the head reuses the embedding table
         per_token += 2 * cfg.vocab_size * cfg.hidden_size
     linear = cfg.count_layers("linear_attention")
@@ -86,7 +86,7 @@ def bench_decode(cfg: ModelConfig, params: Any, *, batch: int, prompt_len: int, 
         c0, s0 = compile_stats.compiles(), compile_stats.compile_seconds()
         t0 = time.perf_counter()
         engine = Engine(cfg, variant_params, batch_size=batch, buffer_size=n_buf,
-                        prefill_chunk=min(prefill_chunk, cfg.max_seq_len), mesh=mesh)
+                        prefill_chunk=prefill_chunk, mesh=mesh)
         engine.warmup(progress)
         warm_s = time.perf_counter() - t0
         compiles_warm = compile_stats.compiles() - c0
@@ -130,7 +130,8 @@ def bench_decode(cfg: ModelConfig, params: Any, *, batch: int, prompt_len: int, 
             "kv_mb": engine.stats().kv_bytes / 2**20,
         })
     return {
-        "model": base_cfg.name, "params": base_cfg.num_params(), "active_params": base_cfg.active_params_per_token(),
+        "model": base_cfg.name, "params": sizes.num_params(base_cfg),
+        "active_params": sizes.active_params_per_token(base_cfg),
         "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
         "decode": dataclasses.asdict(decode), "device": str(jax.devices()[0].device_kind),
         "backend": jax.default_backend(), "matmul_gflops": gflops, "rows": rows,

@@ -31,51 +31,63 @@ def int_at_least(low: int):
     return parse
 
 
+def _default(field: str, owner: type | None = None) -> str:
+    """"default X" for a help text, read from the dataclass that owns the setting (DecodeConfig
+    unless told), so a default is written once."""
+    from mbd_jax.config import DecodeConfig
+
+    return f"default {getattr(owner or DecodeConfig, field)}"
+
+
 def _add_decode_flags(p: argparse.ArgumentParser, buffer_size_list: bool = False) -> None:
     import typing
 
     from mbd_jax.config import (BlockActivation, EditConfirm, SamplingMode, UnmaskPolicy,
-                                VoteExtractor, VoteWeighting)
+                                VoteExtractor, VoteWeighting, VotingConfig)
 
     g = p.add_argument_group("decoding (see DecodeConfig)")
-    g.add_argument("--max-new-tokens", type=int, help="tokens to generate at most (default 128)")
+    g.add_argument("--max-new-tokens", type=int, help=f"tokens to generate at most ({_default('max_new_tokens')})")
     g.add_argument("--threshold", "--accept-threshold", dest="accept_threshold", type=float,
-                   help="tau_accept: accept masked positions above this confidence (default 0.95)")
+                   help="tau_accept: accept masked positions above this confidence "
+                        f"({_default('accept_threshold')})")
     if buffer_size_list:  # benches compare several sizes on the same prompts
         g.add_argument("--buffer-size", dest="buffer_size_list", default="1",
                        help="comma-separated N_buf values to compare, e.g. 1,2,4")
         p.set_defaults(buffer_size=None)
     else:
         g.add_argument("--buffer-size", type=int, help="N_buf, blocks decoded at once (1 = SingleBD)")
-    g.add_argument("--add-block-threshold", type=float, help="tau_add (default 0.1)")
+    g.add_argument("--add-block-threshold", type=float, help=f"tau_add ({_default('add_block_threshold')})")
     g.add_argument("--block-activation", choices=typing.get_args(BlockActivation),
                    help="progress: the next block joins once the last is tau_add full, one per "
-                        "forward (default); eager: every slot of the buffer at once")
-    g.add_argument("--semi-complete-threshold", type=float, help="tau_semi (default 0.9)")
-    g.add_argument("--token-stability-threshold", type=float, help="tau_stable (default 0)")
+                        "forward; eager: every slot of the buffer at once "
+                        f"({_default('block_activation')})")
+    g.add_argument("--semi-complete-threshold", type=float, help=f"tau_semi ({_default('semi_complete_threshold')})")
+    g.add_argument("--token-stability-threshold", type=float, help=f"tau_stable ({_default('token_stability_threshold')})")
     g.add_argument("--policy", choices=typing.get_args(UnmaskPolicy), help="unmask rule")
     g.add_argument("--steps-per-block", type=int, help="fixed_steps: steps per block")
-    g.add_argument("--factor", type=float, help="factor policy (Fast-dLLM): f (default 1)")
+    g.add_argument("--factor", type=float, help=f"factor policy (Fast-dLLM): f ({_default('factor')})")
     g.add_argument("--sampling-mode", choices=typing.get_args(SamplingMode),
                    help="edit: also rewrite filled tokens the model changes its mind on")
     g.add_argument("--edit-threshold", type=float, help="edit: rewrite above this confidence")
     g.add_argument("--max-post-edit-steps", type=int, help="edit: extra steps before a block is final")
     g.add_argument("--edit-confirm", choices=typing.get_args(EditConfirm),
                    help="edit: which blocks wait for a forward that changes nothing in them: "
-                        "always (default), or only those written before the blocks ahead were "
-                        "complete (context)")
+                        "always, or only those written before the blocks ahead were complete "
+                        f"(context) ({_default('edit_confirm')})")
     g.add_argument("--vote", choices=typing.get_args(VoteWeighting),
                    help="temporal self-consistency voting with this step weighting")
-    g.add_argument("--vote-alpha", type=float, help="exp weighting alpha (default 5)")
+    g.add_argument("--vote-alpha", type=float,
+                   help=f"exp weighting alpha ({_default('alpha', VotingConfig)})")
     g.add_argument("--vote-extractor", choices=typing.get_args(VoteExtractor),
-                   help="how an answer is parsed (default last_number)")
+                   help=f"how an answer is parsed ({_default('extractor', VotingConfig)})")
     g.add_argument("--vote-pattern", help="regex extractor: answer = group 1")
-    g.add_argument("--temperature", type=float, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, help="nucleus sampling mass (default 1)")
-    g.add_argument("--top-k", type=int, help="sample among the k most likely tokens (default 0: "
-                                             "no limit)")
-    g.add_argument("--seed", type=int, help="sampling seed (default 0)")
-    g.add_argument("--max-nfe", type=int, help="decode forwards per request at most (default 1024)")
+    g.add_argument("--temperature", type=float, help=f"0 = greedy ({_default('temperature')})")
+    g.add_argument("--top-p", type=float, help=f"nucleus sampling mass ({_default('top_p')})")
+    g.add_argument("--top-k", type=int, help="sample among the k most likely tokens (0: no limit; "
+                                             f"{_default('top_k')})")
+    g.add_argument("--seed", type=int, help=f"sampling seed ({_default('seed')})")
+    g.add_argument("--max-nfe", type=int,
+                   help=f"decode forwards per request at most ({_default('max_nfe')})")
     g.add_argument("--ignore-eos", action="store_true",
                    help="decode all --max-new-tokens past EOS (fixed work per row)")
 
@@ -191,7 +203,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = [model.tokenizer.encode(t) for t in prompts_text] + prompts_ids
     record = (0, 0)
     if decode.voting is not None:  # record every step's prediction of the generated region
-        record = (min(decode.max_nfe, 4096), min(decode.max_new_tokens, model.cfg.max_seq_len))
+        from mbd_jax.decoding.voting import record_shape
+
+        record = record_shape(decode.max_nfe, decode.max_new_tokens, model.cfg.max_seq_len)
     engine = Engine(model.cfg, model.params, batch_size=args.batch_size or min(len(prompts), 8),
                     buffer_size=decode.buffer_size, tokenizer=model.tokenizer,
                     record_steps=record[0], record_len=record[1], mesh=mesh)

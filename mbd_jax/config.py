@@ -47,7 +47,7 @@ LayerLoop = Literal["auto", "scan", "unrolled"]
 # tiled gathers a weight matrix per tile, ragged_dot expands densely); accelerators have a
 # grouped-matmul kernel behind ragged_dot. layer_loop: XLA:CPU copies a scanned layer's whole
 # weight slice before use, which undoes the looped expert path's reading only the hit experts
-# (0.2x PyTorch at batch 16 scanned against 1.1x unrolled, docs/performance.md), so CPU stays
+# (0.2x PyTorch at batch 16 scanned against 1.1x unrolled, docs/lab/performance-history.md), so CPU stays
 # unrolled; elsewhere the scan keeps compile time flat in depth.
 AUTO: dict[str, dict[str, str]] = {
     "moe_impl": {"cpu": "looped", "*": "ragged"},
@@ -56,7 +56,7 @@ AUTO: dict[str, dict[str, str]] = {
 
 
 # The expert paths `moe_impl: measure` times, per backend: at a few copies per expert computing
-# every expert for every token can beat the loop over the hit ones on CPU (docs/performance.md),
+# every expert for every token can beat the loop over the hit ones on CPU (docs/lab/performance-history.md),
 # and which one wins depends on the model, the batch and the host.
 MEASURED: dict[str, dict[str, tuple[str, ...]]] = {
     "moe_impl": {"cpu": ("looped", "dense"), "*": ("ragged", "dense")},
@@ -405,40 +405,6 @@ class ModelConfig:
     def layer_kind(self, layer: int) -> tuple[str, bool]:
         """What makes two layers identical (one scanned run): the token mixer and the MLP kind."""
         return self.layer_type(layer), self.is_moe_layer(layer)
-
-    def num_params(self) -> int:
-        d, h, kvh, hd = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
-        attn = (d * (h * (2 if self.attention_output_gate else 1) + 2 * kvh) * hd + h * hd * d
-                + (2 * hd if self.qk_norm else 0))
-        total = self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + d
-        for layer in range(self.num_layers):
-            total += 2 * d  # the two norms
-            if self.layer_type(layer) == "linear_attention":
-                sm = self.sequence_module
-                qk, v = sm.num_key_heads * sm.key_head_dim, sm.num_value_heads * sm.value_head_dim
-                total += (d * (2 * qk + 2 * v + 2 * sm.num_value_heads)  # q, k, v, z, b, a
-                          + sm.conv_kernel * (2 * qk + v) + 2 * sm.num_value_heads  # conv, A, dt
-                          + sm.value_head_dim + v * d)  # gated norm, out
-            else:
-                total += attn
-            if self.is_moe_layer(layer):
-                f = self.moe_intermediate_size
-                total += self.num_experts * 3 * d * f + d * self.num_experts
-                total += self.num_shared_experts * 3 * d * f
-                total += d if self.shared_expert_gate else 0
-                total += self.num_experts if self.router == "sigmoid_grouped" else 0
-            else:
-                total += 3 * d * self.intermediate_size
-        return total
-
-    def active_params_per_token(self) -> int:
-        """Parameters touched per token (the MoE counts only the routed top-k and shared experts)."""
-        if self.num_experts == 0:
-            return self.num_params()
-        f = self.moe_intermediate_size
-        unused = (self.num_experts - self.num_experts_per_tok) * 3 * self.hidden_size * f
-        n_moe = self.num_layers - self.first_k_dense
-        return self.num_params() - n_moe * unused
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,26 +8,27 @@ from mbd_jax.config import (DecodeConfig, ModelConfig, available_presets, decode
                             load_serve_config, serve_env_names,
                             from_dict, load_model_config, resolve_model_path, MODEL_PRESET_DIR)
 from mbd_jax.errors import ConfigError
+from mbd_jax.model import sizes
 
 
 @pytest.mark.parametrize("name", available_presets())
 def test_every_preset_and_shipped_model_config_loads(name):
     cfg = load_model_config(resolve_model_path(name))
-    assert cfg.num_params() > 0 and cfg.active_params_per_token() <= cfg.num_params()
+    assert sizes.num_params(cfg) > 0 and sizes.active_params_per_token(cfg) <= sizes.num_params(cfg)
 
 
 def test_real_shape_presets_have_the_published_sizes():
     llada = load_model_config(MODEL_PRESET_DIR / "llada2-mini.yaml")
-    assert 15.5e9 < llada.num_params() < 16.8e9  # "16B total"
-    assert 1.2e9 < llada.active_params_per_token() < 1.8e9  # "~1.4B active"
+    assert 15.5e9 < sizes.num_params(llada) < 16.8e9  # "16B total"
+    assert 1.2e9 < sizes.active_params_per_token(llada) < 1.8e9  # "~1.4B active"
     sdar = load_model_config(MODEL_PRESET_DIR / "sdar-8b.yaml")
-    assert 7.5e9 < sdar.num_params() < 8.8e9
+    assert 7.5e9 < sizes.num_params(sdar) < 8.8e9
     moe = load_model_config(MODEL_PRESET_DIR / "sdar-30b-a3b.yaml")
-    assert 29e9 < moe.num_params() < 32e9 and 2.8e9 < moe.active_params_per_token() < 3.6e9
+    assert 29e9 < sizes.num_params(moe) < 32e9 and 2.8e9 < sizes.active_params_per_token(moe) < 3.6e9
 
 
 def test_qwen3_5_35b_a3b_preset_is_the_transformers_model():
-    """The hybrid preset (issue 17) is what convert makes of transformers' Qwen3.5-MoE text config
+    """The hybrid preset is what convert makes of transformers' Qwen3.5-MoE text config
     (its docs: the 35B-A3B shape; it states no dense MLP width) and counts exactly the parameters
     of transformers' own model built from it (on the meta device: no memory)."""
     import torch
@@ -43,9 +44,9 @@ def test_qwen3_5_35b_a3b_preset_is_the_transformers_model():
     assert (preset.count_layers("full_attention"), preset.count_layers("linear_attention")) == (10, 30)
     with torch.device("meta"):
         model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig())
-    assert preset.num_params() == sum(p.numel() for p in model.parameters())
-    assert abs(preset.num_params() / 35e9 - 1) < 0.01  # "35B total"
-    assert 3.0e9 < preset.active_params_per_token() < 3.5e9  # "A3B": 3.45B with embedding and head
+    assert sizes.num_params(preset) == sum(p.numel() for p in model.parameters())
+    assert abs(sizes.num_params(preset) / 35e9 - 1) < 0.01  # "35B total"
+    assert 3.0e9 < sizes.active_params_per_token(preset) < 3.5e9  # "A3B": 3.45B with embedding and head
 
 
 def test_cross_field_errors_name_the_fields(cfg):

@@ -165,7 +165,8 @@ def test_an_engine_rebuilt_with_the_same_shapes_shares_its_programs(cfg, params)
     assert compile_stats.compiles() == before
     for other in (Engine(cfg, params, batch_size=2, buffer_size=1, prefill_chunk=16),
                   Engine(cfg, params, batch_size=3, buffer_size=2, prefill_chunk=16)):
-        assert other._decode is not first._decode and other._prefill is not first._prefill
+        assert other.runner._decode is not first.runner._decode and (
+            other.runner._prefill is not first.runner._prefill)
 
 
 def test_fixed_steps_forward_counts_singlebd_vs_multibd(engine4):

@@ -1,4 +1,4 @@
-"""The Gated DeltaNet hybrid family (issue 17): Qwen3-Next and Qwen3.5-MoE checkpoints built with
+"""The Gated DeltaNet hybrid family: Qwen3-Next and Qwen3.5-MoE checkpoints built with
 transformers, converted, and run by the full-sequence forward; the sequence-module config."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from mbd_jax.config import (ConfigError, DecodeConfig, SequenceModule, config_di
 from mbd_jax.convert import convert
 from mbd_jax.engine import Engine
 from mbd_jax.errors import UserError
+from mbd_jax.model import sizes
 from mbd_jax.model.forward_meta import ForwardMeta
 from mbd_jax.model.transformer import Transformer, block_causal_mask, init_params
 from tests.conftest import tiny_cfg, tiny_params
@@ -138,7 +139,7 @@ def test_conversion_needs_a_block_mode_for_a_hybrid(tmp_path):
 def test_param_count_matches_transformers(converted):
     hf, d = converted
     cfg = load_model(str(d)).cfg
-    assert cfg.num_params() == sum(p.numel() for p in hf.parameters())
+    assert sizes.num_params(cfg) == sum(p.numel() for p in hf.parameters())
 
 
 # ---------------------------------------------------------------- the state cache

@@ -7,7 +7,7 @@ answer what the README shows.
 
 The floors come from the same fixed samples measured on the shipped pair (20 prompts per task,
 8 per task for the other formats), rounded down with margin, except SingleBD's per-task floor:
-issue 18's 95% on every task (measured 100 on each but recall and longsort, 95 on those two).
+the 95% on every task (measured 100 on each but recall and longsort, 95 on those two).
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ from mbd_jax.train import tasks
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LIMIT = 20  # held-out prompts per task in the chat format (140 in all)
 FORMAT_LIMIT = 8  # per task, for each other format
-ACCURACY_FLOOR = 0.95  # SingleBD (tiny-bd, N_buf 1) on every task: issue 18's bar
+ACCURACY_FLOOR = 0.95  # SingleBD (tiny-bd, N_buf 1) on every task
 # the default model (MBD), pooled over the tasks; measured at 20 per task (docs/training.md, the
 # pair in every format): system 97.1, multiturn 78.6 (the long lists after an earlier turn), raw
 # 88.6 (27 before raw replies were marked `Answer:`), thinking 92.1
 FORMAT_FLOORS = {"system": 0.85, "multiturn": 0.7, "raw": 0.8, "thinking": 0.85}
 TPF_GAIN_FLOOR = 1.45  # MBD (tiny-mbd, N_buf 2) over SingleBD, pooled (measured 1.67)
-# MBD with eager block activation (every slot active at once), N_buf 2, over SingleBD: issue 18's
+# MBD with eager block activation (every slot active at once), N_buf 2, over SingleBD: the 2x
 # goal (measured 2.09x, 139 against 138 of 140; N_buf 3 in Table 1: 2.79x)
 EAGER_GAIN_FLOOR = 2.0
 EDIT_FLOOR = 0.85  # MBD in the edit sampling mode, pooled (N_buf 3 in Table 1: 99.3)

@@ -1,4 +1,4 @@
-"""Engine compile time against depth, layers unrolled or scanned (issue 14's compile goal).
+"""Engine compile time against depth, layers unrolled or scanned.
 
 Each (depth, layer loop) runs `mbd-jax bench decode` in a fresh process on a random-weight copy of
 a preset with `num_layers` changed, so every compile is cold; the engine's compile seconds

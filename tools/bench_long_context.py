@@ -15,7 +15,7 @@ over that time).
 With `--service CHUNK`, each context is then sent once through `mbd-jax serve` (the preset with
 `max_seq_len` raised, attention chunk CHUNK, the shipped serve config otherwise) as a
 `/v1/completions` request of that many token ids, timed by the client from send to the whole
-answer. Prints one JSON object per row and a table (docs/performance.md, issue 16).
+answer. Prints one JSON object per row and a table (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Several models on the same held-out prompts: accuracy, TPF and tokens/s per task and pooled,
-for each buffer size and question format (issue 17's attention-only vs hybrid table; any models
+for each buffer size and question format (the attention-only vs hybrid table; any models
 with a tokenizer).
 
     python tools/compare_models.py --models runs/a-model,runs/b-model --buffer-size 1,2 [--limit 20]

@@ -8,7 +8,7 @@ forward over the prompt followed by masks (two blocks past the prompt's last blo
 of the first `positions` masked positions, the most likely token and its probability. A confident
 first forward (probability near 1 at each position) means the model knows where its answer starts
 and what it is; a spread one, with EOS among the top tokens, is what confidence-ordered unmasking
-turns into early stops (docs/training.md, the raw-text paragraph). Decoding plays no part.
+turns into early stops (docs/lab/training-history.md, the raw-text paragraph). Decoding plays no part.
 Prints JSON (stdout) and one line per question (stderr).
 """
 

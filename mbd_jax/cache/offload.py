@@ -15,7 +15,7 @@ A hybrid model's rows also stage a snapshot of their recurrent state (the one af
 committed blocks: a row has no other) when a prefill round or the call that finished the row
 stages their blocks up to that boundary, into a second buffer of one snapshot per row that
 travels with the first (`states`). Not after every decode call: at the tiny hybrid's sizes that
-cost 6% of decode tokens/s (docs/performance.md), and the boundaries a later prompt can hit are
+cost 6% of decode tokens/s (docs/lab/performance-history.md), and the boundaries a later prompt can hit are
 where a prompt's chunks and a reply end.
 
 When the engine goes idle (`idle`), the last staged buffer is handed over at once: no later call

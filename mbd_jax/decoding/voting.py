@@ -16,6 +16,16 @@ from mbd_jax.config import VotingConfig
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
+# The most decode steps an engine records for voting: the trajectory ring is [rows, steps,
+# generated positions] of int32 on the device; a longer generation votes over its last steps.
+MAX_RECORDED_STEPS = 1024
+
+
+def record_shape(max_nfe: int, max_new_tokens: int, max_seq_len: int) -> tuple[int, int]:
+    """(steps, positions) an engine records (Engine's record_steps, record_len) for requests of
+    up to `max_nfe` forwards and `max_new_tokens` tokens."""
+    return min(max_nfe, MAX_RECORDED_STEPS), min(max_new_tokens, max_seq_len)
+
 
 def _boxed(text: str) -> str | None:
     """The content of the last \\boxed{...}, with nested braces."""

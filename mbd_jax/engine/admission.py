@@ -20,7 +20,7 @@ from mbd_jax.decoding.block_buffer import DecodeState, RowParams
 # A prefill chunk of at least this many tokens per row runs over its own cache row ([1, T]); the
 # shorter ones of an admission share one call over every row ([B, T], the rows not being
 # prefilled store nothing). Past a few dozen tokens a row reuses each weight enough on its own,
-# and one long prompt no longer costs the whole batch's compute (docs/performance.md).
+# and one long prompt no longer costs the whole batch's compute (docs/lab/performance-history.md).
 ROW_PREFILL_MIN = 64
 
 

@@ -1,17 +1,13 @@
-"""Engine: the thin stateful shell around the pure model and decoding functions.
+"""Engine: the host side of serving a model. It plans, and its Runner (runner.py) runs.
 
-It owns the parameters, the paged KV pool (model/kv_cache.py) with its page accounting
-(pages.py: a row holds pages for the positions it can write from admission to release), and the
-compiled programs (the decode loop over every row and over one running row alone, one prefill per length
-bucket), and turns token-id prompts into results. Shapes are static per engine: nothing compiles
-after `warmup()`. What it runs is planned and read elsewhere in this package: admission.py
-(prefill calls, the rows' settings), results.py (a finished row's result and vote), prefix.py
-(the prefix-cache glue), transfer.py (host state onto the device).
-
-Everything lives on a device mesh (parallel/mesh.py; one device without one): the parameters and
-the KV pool are split by the rules table, the decode state and every host input are replicated,
-and every compiled program names its output shardings, so donated buffers keep their layout and
-nothing recompiles. On several processes each runs the same calls (parallel/multihost.py).
+`step()` is the one engine step every driver uses (generate, the service's scheduler): end the
+rows asked to end, admit what fits, one prefill round, one decode call, an event per row
+(rows.py: the one record per busy row). The engine validates requests, accounts the paged KV
+pool (pages.py: a row holds pages for the positions it can write from admission to release),
+plans prefill rounds (admission.py), glues the prefix cache in (prefix.py) and turns finished
+rows into results (results.py); every device call goes through the Runner. Shapes are static
+per engine: nothing compiles after `warmup()`. On several processes the service's engine calls
+are mirrored (mirror.py); offline, every process runs the same calls (parallel/multihost.py).
 """
 
 from __future__ import annotations
@@ -28,20 +24,19 @@ import numpy as np
 
 from mbd_jax import compile_stats
 from mbd_jax.cache.prefix_store import PrefixStore
-from mbd_jax.config import DecodeConfig, ModelConfig, resolve_auto
+from mbd_jax.config import DecodeConfig, ModelConfig
 from mbd_jax.decoding import block_buffer
 from mbd_jax.decoding.block_buffer import DecodeState
 from mbd_jax.engine import admission, expert_paths, results
 from mbd_jax.engine.admission import ROW_PREFILL_MIN, Admission, PrefillCall, prefill_buckets
 from mbd_jax.engine.pages import PagePool, page_keys
 from mbd_jax.engine.prefix import PrefixGlue, PrefixHit
-from mbd_jax.engine.programs import prefix_programs, programs
+from mbd_jax.engine.programs import prefix_programs
 from mbd_jax.engine.results import GenerationResult
 from mbd_jax.engine.rows import EngineRequest, Row, RowEvent, RowTable, StepOutcome
+from mbd_jax.engine.runner import Runner
 from mbd_jax.engine.stats import RECENT_CALLS, EngineStats
-from mbd_jax.engine.transfer import RowFetcher, RowPacker
 from mbd_jax.errors import UserError
-from mbd_jax.model import layout, sharding
 from mbd_jax.model.transformer import cache_type
 from mbd_jax.parallel import mesh as meshlib
 from mbd_jax.parallel import multihost
@@ -81,13 +76,6 @@ class Engine:
         compile_stats.install()  # count this engine's compilations from the first one
         self.cfg = cfg
         self.mesh = mesh if mesh is not None else meshlib.single_device_mesh()
-        replicated = meshlib.replicated(self.mesh)
-        self._put = functools.partial(jax.device_put, device=replicated)  # host input -> mesh
-        self._put_rows = RowPacker(self._put)  # a batch-first host tree -> mesh, one transfer
-        self._fetch_rows = RowFetcher(replicated)  # a batch-first device tree -> host, one transfer
-        self.params = jax.device_put(params, sharding.param_shardings(cfg, self.mesh))
-        self._split_experts = split_experts
-        self.experts_split = False  # the params' expert layout (_use_layout)
         self.batch_size = batch_size
         self.buffer_size = buffer_size
         self.prefill_chunk = min(prefill_chunk, cfg.max_seq_len)
@@ -114,26 +102,13 @@ class Engine:
         # not hold: its prompts prefill from their start.
         self.share_prefixes = (share_prefixes and page % cfg.block_size == 0
                                and cfg.sequence_module is None)
-        # The expert path each decode program runs (moe_impl `measure`: auto's until warmup()
-        # times the candidates, engine/expert_paths.py); programs are built per path.
-        self._program_key = (self.mesh, batch_size, self.capacity, n_pages, buffer_size, debug)
-        impl = resolve_auto("moe_impl", cfg.moe_impl)
-        self.moe_paths = {"all rows": impl, "one row": impl}
+        self.runner = Runner(cfg, params, self.mesh, batch_size=batch_size,
+                             buffer_size=buffer_size, capacity=self.capacity, n_pages=n_pages,
+                             debug=debug, split_experts=split_experts)
+        self.runner.set_table(self.pages.table)
         self.moe_timings: dict[str, dict[str, float]] = {}  # measure: ms per step, per program
-        self._use_layout(impl)
-        progs = self._programs(impl)
-        kv_sharding = progs.kv_sharding
-        self._table_sharding = kv_sharding.table
-        self._allocate_kv = progs.allocate_kv
-        self._table_stale = False
-        self.kv = self._allocate_kv()
-        self._sync_table()
-        self._prefill, self._decode, self._merge = progs.prefill, progs.decode, progs.merge
-        self._decode_one = progs.decode  # one running row alone (decode_call)
-        self._take_row, self._put_row = progs.take_row, progs.put_row
         self._host: tuple[DecodeState, DecodeState] | None = None  # (device, host): host_view
         self._done: tuple[DecodeState, np.ndarray] | None = None  # (device, host): done_rows
-        self._row_ids = [self._put(np.array([i], np.int32)) for i in range(batch_size)]
         # step(): one record per busy row, the running decode state, the admission in progress
         self.rows = RowTable(batch_size)
         self._state: DecodeState | None = None
@@ -146,29 +121,24 @@ class Engine:
             prefix_store, cfg, self.cache, self.kv.dtype,
             prefix_programs(cfg, self.mesh, batch_size, self.capacity, n_pages,
                             np.dtype(self.kv.dtype).name, offload_blocks_per_call),
-            self._put, batch_size, offload_blocks_per_call, self.prefill_chunk, self._bucket)
+            self.runner.put, batch_size, offload_blocks_per_call, self.prefill_chunk, self._bucket)
         self.offloader = None if self._prefix is None else self._prefix.offloader
 
-    def _programs(self, moe_impl: str):
-        """This engine's programs with the expert path `moe_impl` (shared per process)."""
-        return programs(dataclasses.replace(self.cfg, moe_impl=moe_impl), *self._program_key)
+    # the device side's state, read through the runner (tests and tools look at these)
+    params = property(lambda self: self.runner.params)
+    experts_split = property(lambda self: self.runner.experts_split)
+    moe_paths = property(lambda self: self.runner.moe_paths)
 
-    def _use_layout(self, moe_impl: str) -> None:
-        """Puts the expert weights in the layout path `moe_impl` reads fastest: per-expert arrays
-        for the looped path on one CPU device, stacked otherwise (model/layout.py)."""
-        split = self._split_experts and layout.splits_experts(self.cfg, self.mesh, moe_impl)
-        if split != self.experts_split:
-            self.params = (layout.split_experts if split else layout.stack_experts)(self.params)
-            self.experts_split = split
+    @property
+    def kv(self) -> Any:
+        return self.runner.kv
+
+    @kv.setter
+    def kv(self, value: Any) -> None:
+        self.runner.kv = value
 
     def use_expert_paths(self, all_rows: str, one_row: str) -> None:
-        """Runs prefill and the all-rows decode program with expert path `all_rows` (the expert
-        weights in its layout), and the one-row decode program with `one_row`."""
-        self._use_layout(all_rows)
-        progs = self._programs(all_rows)
-        self._prefill, self._decode = progs.prefill, progs.decode
-        self._decode_one = self._programs(one_row).decode
-        self.moe_paths = {"all rows": all_rows, "one row": one_row}
+        self.runner.use_expert_paths(all_rows, one_row)
 
     # ---------------------------------------------------------------- validation
     def check_prompt(self, ids: Sequence[int], where: str = "prompt") -> None:
@@ -250,24 +220,10 @@ class Engine:
         counted): the scheduler admits the queue's head while this is <= pages.free."""
         return self.pages.cost(self._positions_held(prompt, d), self._prefix_pages(prompt)[1])
 
-    @property
-    def kv(self) -> Any:
-        """The device cache, with the host page table as it is now: a table changed since the
-        last read (pages taken or given back) is sent first, once however many changes came
-        in between (a batch's release and the next admission: one transfer)."""
-        if self._table_stale:
-            self._kv = self._kv.with_table(jax.device_put(self.pages.table, self._table_sharding))
-            self._table_stale = False
-        return self._kv
-
-    @kv.setter
-    def kv(self, value: Any) -> None:
-        self._kv = value
-
     def _sync_table(self) -> None:
         """The device cache reads the host page table from the next use of `kv` on (after pages
-        were taken or given back)."""
-        self._table_stale = True
+        were taken or given back): one transfer however many changes came in between."""
+        self.runner.set_table(self.pages.table)
 
     def release(self, rows: Sequence[int]) -> None:
         """Gives back the KV pages of finished rows (their results were read): the pool is
@@ -290,7 +246,7 @@ class Engine:
                                           put=np.asarray)
         if done is not None:
             host = host.replace(done=done)
-        return self._put_rows(host)
+        return self.runner.put_rows(host)
 
     def _bucket(self, tokens: int) -> int:
         return admission.bucket(tokens, self.cfg.block_size, self.prefill_chunk)
@@ -314,14 +270,14 @@ class Engine:
         host = [tokens, start[rows].astype(np.int32), full_len[rows], write]
         if call.row is not None:  # the row table: input row 0 is this cache row
             host.append(rows.astype(np.int32))
-        self.kv = self._prefill(self.params, self.kv, *self._put(host))  # one transfer call
+        self.runner.prefill(host)
 
     # ---------------------------------------------------------------- reads
     def stats(self) -> EngineStats:
         """One snapshot of the engine's counters and pool (metrics, benchmarks, tools)."""
         pages = self.pages
         return EngineStats(
-            rows=self.batch_size, kv_bytes=self._kv.nbytes(), page_size=pages.page,
+            rows=self.batch_size, kv_bytes=self.runner.nbytes(), page_size=pages.page,
             pages=pages.num_pages,
             pages_in_use=pages.in_use, pages_free=pages.free, pages_cached=pages.cached,
             pool_hit_tokens=self.pool_hit_tokens, prefix_hit_tokens=self.prefix_hit_tokens,
@@ -339,7 +295,7 @@ class Engine:
 
     def sync(self) -> None:
         """Waits until the device has run every call made so far."""
-        jax.block_until_ready(self._kv)
+        self.runner.sync()
 
     def flush(self) -> None:
         """Persists every block staged for the prefix store now (waits for its disk writes)."""
@@ -526,7 +482,7 @@ class Engine:
               out: StepOutcome) -> None:
         """After a failed call: fails the requests it touched and frees their rows; when the
         device buffers went down with it, every row fails and they are allocated afresh."""
-        lost = not self.buffers_intact(self._running())
+        lost = not self.buffers_intact(self._state)
         victims = {i for i, _ in self.rows.items()} if lost else touched
         out.failed = [self.rows.pop(i).request for i in sorted(victims) if i in self.rows]
         out.error, out.decode_failed = error, in_decode
@@ -550,16 +506,9 @@ class Engine:
         t = time.perf_counter()
         if self.offloader is not None:
             self.offloader.decode_issued()
-        max_steps = np.int32(max_steps or self.steps_per_call)
         running = np.flatnonzero(~self.done_rows(state))
-        if len(running) == 1 and self.batch_size > 1:
-            row = self._row_ids[running[0]]  # [1] on the device
-            sub, self.kv, steps = self._decode_one(self.params, self._take_row(state, row),
-                                                   self.kv, max_steps, row)
-            state = self._put_row(state, sub, row)
-        else:
-            state, self.kv, steps = self._decode(self.params, state, self.kv, max_steps)
-        steps = int(steps)  # waits for the call
+        alone = int(running[0]) if len(running) == 1 and self.batch_size > 1 else None
+        state, steps = self.runner.decode(state, max_steps or self.steps_per_call, alone)
         self._call_log.append((time.perf_counter() - t, steps))
         self._decode_calls += 1
         if self.offloader is not None:  # stage what this call committed; drain the last call's
@@ -578,7 +527,7 @@ class Engine:
         scheduler's streaming) ask."""
         if self._host is None or self._host[0] is not state or (
                 logprobs and self._host[1].logprob is None):
-            self._host = (state, self._fetch_rows(self._host_tree(state, logprobs)))
+            self._host = (state, self.runner.fetch_rows(self._host_tree(state, logprobs)))
         return self._host[1]
 
     @staticmethod
@@ -606,7 +555,7 @@ class Engine:
     def results(self, state: DecodeState, n: int, seconds: float,
                 decodes: Sequence[DecodeConfig] | None = None) -> list[GenerationResult]:
         """Results of rows 0..n-1 of a finished state."""
-        host = self._fetch_rows(state)
+        host = self.runner.fetch_rows(state)
         return [self.result_of(host, i, seconds, None if decodes is None else decodes[i])
                 for i in range(n)]
 
@@ -709,7 +658,7 @@ class Engine:
     def finish_admit(self, state: DecodeState, adm: Admission) -> DecodeState:
         """Merges the admitted rows' fresh state into the running state (one compiled program)."""
         self._index_prompts(adm)
-        return self._merge(state, adm.fresh, self._put(adm.rows))
+        return self.runner.merge(state, adm.fresh, adm.rows)
 
     def admit(self, state: DecodeState | None,
               requests: dict[int, tuple[Sequence[int], DecodeConfig]]) -> DecodeState:
@@ -724,19 +673,17 @@ class Engine:
             return adm.fresh
         return self.finish_admit(state, adm)
 
-    def buffers_intact(self, state: DecodeState) -> bool:
+    def buffers_intact(self, state: DecodeState | None) -> bool:
         """Whether the KV pool and `state` still hold their device memory (a call that failed
         after taking its donated buffers leaves them deleted)."""
-        return not any(x.is_deleted() for x in jax.tree.leaves((self.kv, state))
-                       if isinstance(x, jax.Array))
+        return self.runner.buffers_intact(state)
 
     def reset_buffers(self) -> None:
         """A fresh, empty KV pool and page accounting (after a failure lost the old pool); every
         row is free and no prefix page is cached."""
-        self.kv = self._allocate_kv()
         pool = self.pages  # a fresh pool: the old one's prefix pages are gone with the buffer
         self.pages = PagePool(pool.num_pages, pool.page, self.batch_size, pool.pages_per_row)
-        self._sync_table()
+        self.runner.reset(self.pages.table)
         self._host = self._done = None
         self.rows = RowTable(self.batch_size)
         self._state = self._admission = None
@@ -748,7 +695,7 @@ class Engine:
         """Frees rows (a client went away): they stop at the next step."""
         done = self.done_rows(state).copy()
         done[list(rows)] = True
-        return state.replace(done=self._put(done))
+        return state.replace(done=self.runner.put(done))
 
     def prefill_buckets_for(self, prompts: Sequence[Sequence[int]]) -> list[int]:
         """The prefill lengths `generate(prompts)` compiles (batch_size rows at a time, prefix
@@ -847,6 +794,6 @@ class Engine:
         # the host views a decode call's readers fetch (with and without the log-probabilities),
         # and the whole state that results() fetches: each a packing program (transfer.py)
         for tree in (self._host_tree(state, True), self._host_tree(state, False), state):
-            self._fetch_rows(tree)
+            self.runner.fetch_rows(tree)
         jax.block_until_ready(self.kv)
         say(f"warm-up done in {time.perf_counter() - t_start:.1f} s")

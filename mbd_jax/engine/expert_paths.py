@@ -3,7 +3,7 @@ programs and keeps the faster one per program.
 
 Which path wins depends on the model, the number of tokens a step routes and the host: on a CPU
 the loop over the hit experts (`looped`) wins at a few copies per expert, computing every expert
-for every token (`dense`) at many (docs/performance.md). An engine has two decode programs, all
+for every token (`dense`) at many (docs/lab/performance-history.md). An engine has two decode programs, all
 rows and one running row alone, whose token counts differ by the batch size, so each gets its
 own choice; prefill and the expert weights' layout (model/layout.py) follow the all-rows one,
 so each candidate is timed over the layout it would run with. Each candidate's decode programs

@@ -2,7 +2,7 @@
 small ones: a pytree of batch-first arrays travels as one [B, n] array per dtype, packed on one
 side and split on the other. On a CPU each transfer costs ~0.1 ms of Python and runtime work,
 more than a batch-1 request's prefill, so per request this is most of the host overhead
-(docs/performance.md).
+(docs/lab/performance-history.md).
 
 - RowPacker: host tree -> device (admission's fresh rows): packed with NumPy, one device_put
   of every dtype's array, split by a jitted unpack (compiled once per tree layout).

@@ -1,5 +1,5 @@
 """Pure functions for a gated delta rule sequence layer (the linear-attention half of a Gated
-DeltaNet hybrid, issue 17): the recurrence, its chunked form, the block-diffusion block modes, the
+DeltaNet hybrid): the recurrence, its chunked form, the block-diffusion block modes, the
 short causal depthwise convolution in front of it and the gated RMSNorm behind it.
 
 The recurrence, per value head, token t (state S: [Dk, Dv], float32):

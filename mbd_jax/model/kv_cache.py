@@ -34,7 +34,7 @@ The pool comes in one of two forms the model's layer loop picks:
   indexes them with a traced layer number).
 
 XLA:CPU updates a per-layer array in place but copied the stacked one for every layer of an
-unrolled forward (half the batch-16 decode speed, docs/performance.md), hence two forms. The pool
+unrolled forward (half the batch-16 decode speed, docs/lab/performance-history.md), hence two forms. The pool
 is allocated once per engine and donated to every jitted call.
 
 A hybrid model's linear-attention layers (model/gated_deltanet.py) keep, per cache row, their

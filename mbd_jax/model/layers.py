@@ -67,7 +67,7 @@ def chunked_attention(q: jax.Array, kv: KVCache, layer, q_pos: jax.Array,
 
     Inside the loop a kv head's G query heads are one [G * T] query axis, so each key chunk is
     two plain batched matmuls ([G * T, Dh] x [Dh, chunk], then [G * T, chunk] x [chunk, Dh]) per
-    (row, kv head): with a 5-d "btkgd" layout XLA:CPU ran them 2-3x slower (docs/performance.md).
+    (row, kv head): with a 5-d "btkgd" layout XLA:CPU ran them 2-3x slower (docs/lab/performance-history.md).
 
     q: [B, T, H, Dh]; kv: the cache (chunk a whole number of pages); layer: int, may be traced;
     q_pos: [B, T]; visible_len: [B]; rows: [B] the cache row of each query row (None: row b);

@@ -10,7 +10,7 @@ leaves stacked on a leading axis (logical axis name "layers").
 
 Which one runs is `ModelConfig.layer_loop`; `auto` is per backend (config.AUTO): XLA:CPU copies
 each scanned iteration's whole weight slice (all experts of a MoE layer) before use, so CPU runs
-unrolled; GPU and TPU scan (docs/performance.md has both sides of the CPU measurement).
+unrolled; GPU and TPU scan (docs/lab/performance-history.md has both sides of the CPU measurement).
 
 Per-expert weights: for the same reason XLA:CPU copies one expert's slice of a stacked
 [E, D, F] weight before each GEMM that reads it. An engine running the looped expert path on one

@@ -35,6 +35,7 @@ from mbd_jax.cache.prefix_store import PrefixStore, model_identity
 from mbd_jax.checkpoint import load_model
 from mbd_jax.config import (MonitoringConfig, ServeConfig, ServerConfig, model_version,
                             resolve_model_path)
+from mbd_jax.decoding.voting import record_shape
 from mbd_jax.engine import Engine, mirror
 from mbd_jax.errors import UserError
 from mbd_jax.parallel import multihost
@@ -86,11 +87,11 @@ def build_engine(cfg: ServeConfig, mesh: jax.sharding.Mesh | None = None) -> Eng
                             disk_bytes=(c.disk_capacity_mb << 20) if c.storage_path else 0,
                             ttl_s=c.ttl_s)
     limit = max(cfg.generation.max_new_tokens_limit, cfg.generation.thinking_max_new_tokens)
+    steps, positions = record_shape(cfg.decoding.max_nfe, limit, model.cfg.max_seq_len)
     engine = Engine(model.cfg, model.params, batch_size=s.max_batch_size, buffer_size=s.buffer_size,
-                    prefill_chunk=min(s.prefill_chunk, model.cfg.max_seq_len),
-                    kv_pool_tokens=s.kv_pool_tokens, tokenizer=model.tokenizer,
-                    record_steps=min(cfg.decoding.max_nfe, 1024),
-                    record_len=min(limit, model.cfg.max_seq_len), prefix_store=store, mesh=mesh)
+                    prefill_chunk=s.prefill_chunk, kv_pool_tokens=s.kv_pool_tokens,
+                    tokenizer=model.tokenizer, record_steps=steps, record_len=positions,
+                    prefix_store=store, mesh=mesh)
     return engine
 
 

@@ -209,7 +209,7 @@ TASKS: dict[str, Callable[[np.random.Generator], Problem]] = {
 # Tasks on trial: trained (the trial configs: long-answers, long-arith-drill, longsub, long-mix,
 # long-mix-borrow, long-mbd, long-mbd-full) and evaluated when named (`eval --task longarith`),
 # but not in the suite (`all`, Table 1, the shipped models' floors) until a shipped pair meets the
-# bar on them (docs/training.md, "Long answers: a trial").
+# bar on them (docs/lab/training-history.md, "Long answers: a trial").
 TRIAL_TASKS: dict[str, Callable[[np.random.Generator], Problem]] = {
     "longarith": _long_arith, "longsortrev": functools.partial(_sortrev, lo=11, hi=20)}
 # What eval may name, and how a --task flag says so.
