@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import jax
 import pytest
@@ -16,7 +17,8 @@ import pytest
 from mbd_jax.config import DecodeConfig, ServeConfig, ServerConfig
 from mbd_jax.engine import Engine
 from mbd_jax.serving.metrics import Metrics
-from mbd_jax.serving.scheduler import EngineDown, Request, Scheduler
+from mbd_jax.serving.request import Request
+from mbd_jax.serving.scheduler import EngineDown, Scheduler
 from tests.conftest import tiny_cfg, tiny_params
 
 GOOD = DecodeConfig(buffer_size=2, max_new_tokens=24)
@@ -152,5 +154,52 @@ def test_repeated_failures_stop_the_engine_and_tell_the_server(engine):
                 await run(s, GOOD)
 
         asyncio.run(refused())
+    finally:
+        s.stop()
+
+
+def test_deadlines_end_a_long_request_and_a_queued_one(engine, monkeypatch):
+    """Both rows: two long requests exceed generation_timeout_ms (504) while a third, queued
+    behind them, exceeds queue_timeout_ms (503); the next request is served. Every engine step is
+    held back by a sleep first, so both deadlines pass however fast the machine decodes (a
+    sleep is a lower bound: the test never depends on the decode being slow)."""
+    cfg = ServeConfig(model="tiny-test", decoding=DecodeConfig(buffer_size=2),
+                      server=dataclasses.replace(ServerConfig(), max_batch_size=2, buffer_size=2,
+                                                 steps_per_call=4, queue_timeout_ms=200,
+                                                 generation_timeout_ms=600))
+    engine.reset_buffers()
+    step = engine.step
+
+    def slow_step(*args, **kwargs):
+        time.sleep(0.05)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "step", slow_step)
+    s = Scheduler(engine, cfg, Metrics())
+    s.start()
+
+    async def main():
+        await until_ready(s)
+        # 400 tokens one per forward at 4 forwards per step: 100 steps, >= 5 s of sleeps
+        first, second = await run(s, LONG), await run(s, LONG)  # two rows: both run
+        third = await run(s, GOOD)  # no row free: it waits in the queue
+        return [await last_event(r) for r in (first, second, third)]
+
+    async def last_event(r: Request):
+        while (event := await asyncio.wait_for(r.events.get(), 120))[0] == "tokens":
+            pass
+        return event
+
+    try:
+        first, second, third = asyncio.run(main())
+        assert first[:2] == second[:2] == ("error", 504) and "time budget" in first[2]
+        # waiting too long for a row is overload (the HTTP side adds Retry-After), not a timeout
+        assert third[:2] == ("error", 503) and "queue_timeout_ms" in third[2]
+        monkeypatch.setattr(engine, "step", step)
+
+        async def after():
+            return await outcome(await run(s, GOOD))
+
+        assert asyncio.run(after()) == ("done", engine.reference)
     finally:
         s.stop()

@@ -18,7 +18,8 @@ from mbd_jax.engine import Engine
 from mbd_jax.engine.pages import PagePool, page_keys
 from mbd_jax.errors import UserError
 from mbd_jax.serving.metrics import Metrics
-from mbd_jax.serving.scheduler import Request, Scheduler
+from mbd_jax.serving.request import Request
+from mbd_jax.serving.scheduler import Scheduler
 from tests.conftest import tiny_cfg, tiny_params
 
 PAGE = 64  # tiny-random: attention_chunk 64, block 8

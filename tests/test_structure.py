@@ -81,6 +81,14 @@ def test_the_package_has_no_import_cycle():
     assert cycles(graph) == []
 
 
+def test_the_engine_does_not_import_the_service():
+    """The HTTP tier sits on the engine, never under it."""
+    graph = import_graph(module_files())
+    below = [m for m in graph if m.split(".")[1:2] in (["engine"], ["cache"], ["model"],
+                                                      ["decoding"])]
+    assert below and not [(m, d) for m in below for d in graph[m] if d.startswith("mbd_jax.serving")]
+
+
 def test_the_cycle_check_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert cycles(graph) == [["a", "b", "c"]]

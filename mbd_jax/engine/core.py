@@ -368,7 +368,7 @@ class Engine:
             if self._admission is not None:
                 touched = set(self.rows.prefilling())
                 if self.prefill_step(self._admission):
-                    self._state = self.finish_admit(self._running(), self._admission)
+                    self._state = self._merged(self._admission)
                     for row in touched:
                         self.rows[row].prefilling = False
                     self._admission = None
@@ -386,9 +386,19 @@ class Engine:
         client went away, a deadline passed), "stop" finishes it with the tokens its events
         handed out (a stop string ended its text). A request still prefilling ends once its
         admission is done."""
+        if how not in ("cancel", "stop"):
+            raise ValueError(f"end(how={how!r}): expected 'cancel' or 'stop'")
         index = self.rows.find(request)
         if index is not None:
             self.rows[index].ending = how
+
+    def _merged(self, adm: Admission) -> DecodeState:
+        """The running state with a finished admission's rows in: its own state when no other
+        row is busy (nothing to merge), else merged (finish_admit)."""
+        if len(self.rows) == int(adm.rows.sum()):
+            self._index_prompts(adm)
+            return adm.fresh
+        return self.finish_admit(self._running(), adm)
 
     def _running(self) -> DecodeState:
         if self._state is None:
@@ -491,7 +501,7 @@ class Engine:
         if lost:
             self.reset_buffers()
         elif victims:
-            self._state = self.cancel(self._state, sorted(victims))
+            self._state = self.cancel(self._running(), sorted(victims))
             self.release(sorted(victims))
 
     def went_idle(self) -> None:

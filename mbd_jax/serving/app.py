@@ -34,7 +34,8 @@ from mbd_jax.stop_strings import StopStrings
 from mbd_jax.serving import protocol
 from mbd_jax.serving.body import BodyError, parse_object
 from mbd_jax.serving.openai_response import Choices, voting_info
-from mbd_jax.serving.scheduler import Draining, EngineDown, QueueFull, Request, Scheduler
+from mbd_jax.serving.request import Request
+from mbd_jax.serving.scheduler import Draining, EngineDown, QueueFull, Scheduler
 
 log = logging.getLogger("mbd_jax.serving")
 

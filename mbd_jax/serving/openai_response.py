@@ -13,7 +13,7 @@ import time
 
 from mbd_jax import chat
 from mbd_jax.serving.logprobs import TokenLogprobs
-from mbd_jax.serving.scheduler import Request
+from mbd_jax.serving.request import Request
 from mbd_jax.tokenizer import Tokenizer
 
 
