@@ -38,7 +38,7 @@ MIRRORED: dict[str, str | None] = {
 # What the leader reads from its own engine alone (host-side checks, lookups and statistics)
 READS = frozenset({
     "cfg", "tokenizer", "batch_size", "buffer_size", "mesh", "prefix_cache", "check_prompt",
-    "check_decode", "check_fits", "prefetch", "stats", "host_view", "done_rows",
+    "check_decode", "check_fits", "prefetch", "stats",
 })
 
 
