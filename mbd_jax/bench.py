@@ -134,7 +134,7 @@ def bench_decode(cfg: ModelConfig, params: Any, *, batch: int, prompt_len: int, 
         "active_params": sizes.active_params_per_token(base_cfg),
         "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
         "decode": dataclasses.asdict(decode), "device": str(jax.devices()[0].device_kind),
-        "backend": jax.default_backend(), "matmul_gflops": gflops, "rows": rows,
+        "backend": engine.mesh.devices.flat[0].platform, "matmul_gflops": gflops, "rows": rows,
         "mesh": dict(engine.mesh.shape), "devices": engine.mesh.size,
     }
 

@@ -165,8 +165,8 @@ def test_deadlines_end_a_long_request_and_a_queued_one(engine, monkeypatch):
     sleep is a lower bound: the test never depends on the decode being slow)."""
     cfg = ServeConfig(model="tiny-test", decoding=DecodeConfig(buffer_size=2),
                       server=dataclasses.replace(ServerConfig(), max_batch_size=2, buffer_size=2,
-                                                 steps_per_call=4, queue_timeout_ms=200,
-                                                 generation_timeout_ms=600))
+                                                 steps_per_call=4, queue_timeout_ms=1000,
+                                                 generation_timeout_ms=2500))
     engine.reset_buffers()
     step = engine.step
 
@@ -180,9 +180,14 @@ def test_deadlines_end_a_long_request_and_a_queued_one(engine, monkeypatch):
 
     async def main():
         await until_ready(s)
-        # 400 tokens one per forward at 4 forwards per step: 100 steps, >= 5 s of sleeps
-        first, second = await run(s, LONG), await run(s, LONG)  # two rows: both run
-        third = await run(s, GOOD)  # no row free: it waits in the queue
+        # 400 tokens one per forward at 4 forwards per step: 100 steps, >= 5 s of sleeps, past
+        # the 2.5 s budget; submitted together to an idle engine, both are admitted at its next
+        # step, long before their 1 s in the queue is up
+        loop = asyncio.get_running_loop()
+        first, second = (Request(id=f"long{i}", prompt=list(PROMPT), decode=LONG, loop=loop)
+                         for i in range(2))
+        s.submit([first, second])
+        third = await run(s, GOOD)  # no row frees before 2.5 s: it waits past its 1 s
         return [await last_event(r) for r in (first, second, third)]
 
     async def last_event(r: Request):

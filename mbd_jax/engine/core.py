@@ -436,7 +436,8 @@ class Engine:
         ending = [i for i in self.rows.decoding() if self.rows[i].ending]
         if not ending:
             return
-        host = self.host_view(self._state, logprobs=True)
+        host = self.host_view(self._state, logprobs=any(
+            self.rows[i].request.logprobs for i in ending))
         for i in ending:
             row = self.rows.pop(i)
             if row.ending == "stop":

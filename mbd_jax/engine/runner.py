@@ -10,6 +10,7 @@ its output shardings, so donated buffers keep their layout and nothing recompile
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -56,8 +57,6 @@ class Runner:
 
     def _programs(self, moe_impl: str):
         """This engine's programs with the expert path `moe_impl` (shared per process)."""
-        import dataclasses
-
         return programs(dataclasses.replace(self.cfg, moe_impl=moe_impl), *self._program_key)
 
     def _use_layout(self, moe_impl: str) -> None:
