@@ -20,7 +20,8 @@ from mbd_jax.errors import ConfigError, UserError
 from mbd_jax.model import layout
 from mbd_jax.model.forward_meta import ForwardMeta
 from mbd_jax.model.rope import frequencies
-from mbd_jax.model.transformer import Attention, MoE, Transformer, block_causal_mask
+from mbd_jax.model.attention import Attention
+from mbd_jax.model.transformer import MoE, Transformer, block_causal_mask
 from tests.conftest import tiny_cfg
 
 BLOCK = 4

@@ -80,9 +80,9 @@ def test_stored_kv_equals_full_forward_kv(cfg, params):
     # 5 calls of 1 block per row, each over that row alone; row 2 was prefilled before
     per_row = Engine(cfg, params, batch_size=b + 1, prefill_chunk=blk, row_prefill_min=blk)
     per_row.admit(per_row.empty_state(), {2: (seqs[2], DecodeConfig())})
-    row_2 = [np.asarray(a[:, 2, :n]) for a in per_row.kv.rows_view()]  # [L, n, K, Dh]
+    row_2 = [np.asarray(a[:, 2, :n]) for a in per_row.kv.positional.rows_view()]  # [L, n, K, Dh]
     per_row.admit(per_row.empty_state(), rows)
-    for a, c in zip(one.kv.rows_view(), per_row.kv.rows_view()):  # [L, B, S, K, Dh] each
+    for a, c in zip(one.kv.positional.rows_view(), per_row.kv.positional.rows_view()):  # [L, B, S, K, Dh] each
         assert float(jnp.max(jnp.abs(a[:, :, :n] - c[:, :b, :n]))) <= TOL
-    for before, after in zip(row_2, per_row.kv.rows_view()):
+    for before, after in zip(row_2, per_row.kv.positional.rows_view()):
         np.testing.assert_array_equal(np.asarray(after[:, 2, :n]), before)

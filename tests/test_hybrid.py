@@ -288,16 +288,18 @@ def test_the_prefix_store_serves_a_hybrid_exactly(tmp_path, mode, loop):
 def test_each_layer_kind_holds_only_its_own_cache(loop):
     """KV pages for the attention layer only, a state and conv tail for the two linear layers
     only (no memory for the other kind's entries), in both pool forms; a model without an
-    attention layer has an empty pool and still decodes."""
+    attention layer has no pool at all and still decodes."""
     cfg, params = hybrid_cfg("causal", loop)
     kv = Engine(cfg, params, batch_size=2, prefill_chunk=16).kv
     count = (lambda a: a.shape[0]) if loop == "scan" else len
-    assert (count(kv.k), count(kv.v), count(kv.state), count(kv.tail)) == (1, 1, 2, 2)
-    assert kv.kv_slots == (-1, 0, -1) and kv.state_slots == (0, -1, 1)
+    pool, states = kv.entries["full_attention"], kv.entries["linear_attention"]
+    assert (count(pool.k), count(pool.v), count(states.state), count(states.tail)) == (1, 1, 2, 2)
+    assert kv.slots == (0, 0, 1) and sorted(kv.entries) == ["full_attention", "linear_attention"]
     linear = dataclasses.replace(cfg, sequence_module=dataclasses.replace(
         cfg.sequence_module, layer_types=("linear_attention",) * 3))
     engine = Engine(linear, init_params(linear), batch_size=1, prefill_chunk=16)
-    assert engine.kv.nbytes() == 0 and count(engine.kv.state) == 3
+    assert list(engine.kv.entries) == ["linear_attention"] and engine.kv.positional is None
+    assert count(engine.kv.entries["linear_attention"].state) == 3
     out = engine.generate([[7, 8, 9, 10]], DecodeConfig(max_new_tokens=8))[0].token_ids
     assert len(out) == 8
 

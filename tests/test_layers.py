@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mbd_jax.model.forward_meta import ForwardMeta
-from mbd_jax.model.kv_cache import KVCache
+from mbd_jax.model.paged_kv import PagedKV
 from mbd_jax.model import layers, rope
 from tests.conftest import tiny_cfg, tiny_params
 
@@ -35,7 +35,7 @@ def test_partial_rope_matches_numpy_and_keeps_the_rest():
     np.testing.assert_array_equal(got[..., 8:], x[..., 8:])
 
 
-def shuffled_pages(kv: KVCache, seed: int) -> KVCache:
+def shuffled_pages(kv: PagedKV, seed: int) -> PagedKV:
     """The same cache with its pool pages in a random order (the table follows them) and one
     spare page of noise: what a page allocator may hand out."""
     n = kv.num_pages
@@ -48,7 +48,7 @@ def shuffled_pages(kv: KVCache, seed: int) -> KVCache:
 
     moved = lambda t: tuple(map(move, t)) if isinstance(t, tuple) else jnp.stack(  # noqa: E731
         [move(x) for x in t])
-    return KVCache(k=moved(kv.k), v=moved(kv.v), table=jnp.asarray(perm[np.asarray(kv.table)]))
+    return PagedKV(k=moved(kv.k), v=moved(kv.v), table=jnp.asarray(perm[np.asarray(kv.table)]))
 
 
 def test_chunked_attention_equals_dense_over_the_paged_pool():
@@ -59,7 +59,7 @@ def test_chunked_attention_equals_dense_over_the_paged_pool():
     vb = jnp.asarray(rng.normal(size=(b, s, k, dh)), jnp.float32)
     # The pool holds two layers; layer 1 is kb / vb, layer 0 is noise that must not be read.
     noise = jnp.asarray(rng.normal(size=(b, s, k, dh)), jnp.float32)
-    dense_rows = KVCache.from_rows(jnp.stack([noise, kb]), jnp.stack([noise, vb]), page=chunk)
+    dense_rows = PagedKV.from_rows(jnp.stack([noise, kb]), jnp.stack([noise, vb]), page=chunk)
     attend = jax.jit(layers.chunked_attention, static_argnums=(5, 6))
     # Rows at different offsets (the last spans 3 chunks), each seeing up to its last query
     # (prefill) except where noted. The loop's unmasked part runs for the first chunk in the
@@ -108,12 +108,12 @@ def test_kv_write_puts_each_row_at_its_offset_in_one_layer():
     zeros = jnp.zeros((3, 2, 16, 1, 1), jnp.float32)  # [L, B, S, K, Dh]
     new = jnp.ones((2, 3, 1, 1), jnp.float32) * jnp.array([1.0, 2.0])[:, None, None, None]
     meta = ForwardMeta.cached(jnp.zeros((2, 3), jnp.int32), jnp.array([0, 5]), jnp.full(2, 16))
-    stacked = KVCache.from_rows(zeros, zeros, page=4)
-    per_layer = KVCache.from_rows(tuple(zeros), tuple(zeros), page=4)
+    stacked = PagedKV.from_rows(zeros, zeros, page=4)
+    per_layer = PagedKV.from_rows(tuple(zeros), tuple(zeros), page=4)
     assert stacked.stacked and not per_layer.stacked
     only_row_1 = meta.replace(write=jnp.array([False, True]))
     for start in (stacked, per_layer, shuffled_pages(stacked, 1), shuffled_pages(per_layer, 2)):
-        kv = jax.jit(KVCache.write, static_argnums=1)(start, 1, new, -new, meta)
+        kv = jax.jit(PagedKV.write, static_argnums=1)(start, 1, new, -new, meta)
         k, v = (np.asarray(a)[..., 0, 0] for a in kv.rows_view())  # [L, B, S]
         k0 = np.asarray(start.rows_view()[0])[..., 0, 0]
         assert k[1, 0].tolist() == [1, 1, 1] + k0[1, 0, 3:].tolist()

@@ -14,7 +14,8 @@ from mbd_jax.config import DecodeConfig
 from mbd_jax.engine import Engine
 from mbd_jax.model import layout
 from mbd_jax.model.forward_meta import ForwardMeta
-from mbd_jax.model.transformer import cache_type, Transformer, block_causal_mask, init_params
+from mbd_jax.model.cache import ModelCache
+from mbd_jax.model.transformer import Transformer, block_causal_mask, init_params
 from tests.conftest import tiny_cfg
 
 TOL = 1e-5
@@ -77,12 +78,12 @@ def test_scanned_forward_equals_unrolled_on_both_paths(cfg):
     # Buffer path: both write the same KV, and their logits equal the full-sequence ones.
     meta = ForwardMeta.cached(pos, jnp.zeros(2, jnp.int32), jnp.full(2, 24, jnp.int32))
     cached = jax.jit(lambda c, p: Transformer(c).apply(
-        {"params": p}, tokens, meta, cache_type(c).allocate(c, 2, 256)), static_argnums=0)
+        {"params": p}, tokens, meta, ModelCache.allocate(c, 2, 256)), static_argnums=0)
     out = [cached(c, p) for c, p in ((unrolled, pu), (scanned, ps))]
     for logits, _ in out:
         np.testing.assert_allclose(np.asarray(logits), ref, atol=TOL)
-    np.testing.assert_allclose(np.asarray(out[1][1].k), np.asarray(out[0][1].k), atol=TOL)
-    np.testing.assert_allclose(np.asarray(out[1][1].v), np.asarray(out[0][1].v), atol=TOL)
+    np.testing.assert_allclose(np.asarray(out[1][1].positional.k), np.asarray(out[0][1].positional.k), atol=TOL)
+    np.testing.assert_allclose(np.asarray(out[1][1].positional.v), np.asarray(out[0][1].positional.v), atol=TOL)
 
 
 @pytest.mark.slow  # the default run has it under a mesh: tests/test_mesh.py's scanned engine
@@ -126,7 +127,7 @@ def test_a_scanned_model_saves_the_canonical_layout(tmp_path, cfg):
 def _program_size(cfg) -> int:
     """Instructions in the optimised decode-forward program (one block, KV buffer path)."""
     params = jax.eval_shape(lambda: init_params(cfg))
-    kv = jax.eval_shape(lambda: cache_type(cfg).allocate(cfg, 1, 256))
+    kv = jax.eval_shape(lambda: ModelCache.allocate(cfg, 1, 256))
     t = jax.ShapeDtypeStruct((1, cfg.block_size), jnp.int32)
     r = jax.ShapeDtypeStruct((1,), jnp.int32)
     fwd = jax.jit(lambda p, x, q, c, o, v: Transformer(cfg).apply(

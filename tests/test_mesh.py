@@ -126,7 +126,7 @@ ENGINE = textwrap.dedent("""
         return {"tokens": first, "again": again, "compiles": compile_stats.compiles() - c0,
                 "kv_local": list(jax.tree.leaves(engine.kv)[0].addressable_shards[0].data.shape)[-4:],
                 "kv_global": list(jax.tree.leaves(engine.kv)[0].shape)[-4:],
-                "kv_stacked": engine.kv.stacked,
+                "kv_stacked": engine.kv.positional.stacked,
                 "experts_local": list(experts.addressable_shards[0].data.shape)[-3:]}
     out = {"one": run(None)}
     # the layers scanned: the checkpoint restored shard by shard, then stacked under the mesh
@@ -252,7 +252,7 @@ HYBRID = textwrap.dedent("""
         tokens = [r.token_ids for r in engine.generate(prompts, DecodeConfig(buffer_size=2,
                                                                              max_new_tokens=16))]
         out[str(spec)] = {"tokens": tokens,
-                          "state_local": list(engine.kv.state[0].addressable_shards[0].data.shape),
+                          "state_local": list(engine.kv.entries["linear_attention"].state[0].addressable_shards[0].data.shape),
                           "v_proj_local": list(p["layer_0"]["linear_attn"]["v_proj"]
                                                .addressable_shards[0].data.shape)}
     print(json.dumps(out))

@@ -10,6 +10,7 @@ import pytest
 from mbd_jax.config import DecodeConfig
 from mbd_jax.decoding import block_buffer, policy
 from mbd_jax.engine import Engine
+from mbd_jax.model.cache import ModelCache
 from mbd_jax.model.forward_meta import ForwardMeta
 from mbd_jax.model.transformer import Transformer
 
@@ -66,11 +67,11 @@ def test_multibd_cache_is_exact(cfg, params, debug_engine, activation):
     meta = ForwardMeta.cached(jnp.broadcast_to(jnp.arange(n_max), (4, n_max)),
                               jnp.zeros(4, jnp.int32), jnp.asarray(cached, jnp.int32))
     forward = jax.jit(lambda p, t, m: Transformer(cfg).apply(
-        {"params": p}, t, m, eng.cache.allocate(cfg, 4, eng.capacity))[1])
+        {"params": p}, t, m, ModelCache.allocate(cfg, 4, eng.capacity))[1])
     ref = forward(params, jnp.asarray(host.canvas[:4, :n_max]), meta)
     for row in range(4):
         n = int(cached[row])
-        for got, want in zip(eng.kv.rows_view(), ref.rows_view()):  # [L, B, S, K, Dh]
+        for got, want in zip(eng.kv.positional.rows_view(), ref.positional.rows_view()):  # [L, B, S, K, Dh]
             diff = float(jnp.max(jnp.abs(got[:, row, :n] - want[:, row, :n])))
             assert diff <= 1e-5, f"row {row}: {diff}"
 

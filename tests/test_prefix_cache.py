@@ -16,6 +16,7 @@ from mbd_jax.cache.prefix_store import PrefixStore, block_keys, state_key
 from mbd_jax.config import DecodeConfig
 from mbd_jax.engine import Engine
 from mbd_jax.engine.pages import page_keys
+from mbd_jax.model.cache import ModelCache
 from mbd_jax.model.forward_meta import ForwardMeta
 from mbd_jax.model.transformer import Transformer
 from tests.conftest import tiny_cfg, tiny_params
@@ -362,7 +363,7 @@ def test_a_lookup_is_counted_once_whether_prefetched_or_not():
 
     admit(0, cold, prefetch=True)
     assert (store.stats.hits, store.stats.misses) == (0, 4)
-    block = np.zeros(engine.cache.entry_shape(engine.cfg, 8), engine.kv.dtype)
+    block = np.zeros(ModelCache.block_shape(engine.cfg, 8), engine.kv.block_dtype)
     for key in store.keys(warm)[:2]:  # the first two blocks stored, the third not
         store.put(key, block)
     admit(1, warm, prefetch=True)

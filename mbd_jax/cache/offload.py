@@ -70,8 +70,9 @@ class KVOffloader:
                  batch_size: int, max_blocks: int,
                  states: tuple[Callable[..., jax.Array], Callable[[], jax.Array]] | None = None):
         """gather(staging, kv, rows[n], starts[n]) -> staging (jitted, staging donated);
-        empty() -> a zero staging buffer; `states` (hybrids): (gather_states(staging, kv,
-        rows[B]) -> staging, empty_states()) for the state snapshots."""
+        empty() -> a zero staging buffer; `states` (a model with recurrent state):
+        (gather_snapshots(staging, kv, rows[B]) -> staging, empty_snapshots()) for the state
+        snapshots."""
         self.store = store
         self.block_size = store.block_size
         self.max_blocks = max_blocks

@@ -5,9 +5,9 @@
 so a key names a block *and everything before it*: two prompts share block i's entry only when
 their first (i+1)*blk tokens are equal, which is exactly when the exact KV is equal. An entry is
 one block's cache entries as one array whose shape and dtype the model's cache names
-(`entry_shape`, model/kv_cache.py; the engine passes them to `expect`): the store never looks
-inside. A hybrid model's entries come in a second kind: the recurrent state after a block
-(`state_key(key)`: the block's key and a suffix; `state_entry_shape`), kept only at some block
+(`block_shape`, model/cache.py; the engine passes them to `expect`): the store never looks
+inside. A model with recurrent state has a second kind of entry: its rows' snapshot after a block
+(`state_key(key)`: the block's key and a suffix; `snapshot_shape`), kept only at some block
 boundaries (where a row's committed blocks ended when they were staged), so a lookup that
 needs one stops at the last boundary that has it.
 

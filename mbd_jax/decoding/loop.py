@@ -16,7 +16,7 @@ from mbd_jax.decoding import block_buffer, policy
 from mbd_jax.decoding.block_buffer import DecodeState
 from mbd_jax.model.forward_meta import ForwardMeta
 
-Cache = Any  # the model's cache type (model/transformer.py's cache_type): the loop never looks in
+Cache = Any  # the model's cache (model/cache.py's ModelCache): the loop never looks in
 ApplyFn = Callable[..., tuple[jax.Array, Cache]]
 
 

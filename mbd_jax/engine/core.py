@@ -37,7 +37,7 @@ from mbd_jax.engine.rows import EngineRequest, Row, RowEvent, RowTable, StepOutc
 from mbd_jax.engine.runner import Runner
 from mbd_jax.engine.stats import RECENT_CALLS, EngineStats
 from mbd_jax.errors import UserError
-from mbd_jax.model.transformer import cache_type
+from mbd_jax.model.cache import ModelCache
 from mbd_jax.parallel import mesh as meshlib
 from mbd_jax.parallel import multihost
 from mbd_jax.tokenizer import Tokenizer
@@ -88,20 +88,19 @@ class Engine:
         self._call_log: collections.deque[tuple[float, int]] = collections.deque(maxlen=RECENT_CALLS)
         self._decode_calls = 0
         window = buffer_size * cfg.block_size
-        # The model's cache (its layout is the model's business: model/kv_cache.py). A forward
+        # The model's cache (its layout is the model's business: model/cache.py). A forward
         # writes at most one decode window or one prefill chunk, starting before max_seq_len.
-        self.cache = cache_type(cfg)
-        self.capacity = self.cache.capacity_for(cfg, max(self.prefill_chunk, window))
-        page = self.cache.page_size(cfg)
+        self.capacity = ModelCache.capacity_for(cfg, max(self.prefill_chunk, window))
+        page = ModelCache.page_size(cfg)
         per_row = self.capacity // page
         n_pages = batch_size * per_row if kv_pool_tokens is None else -(-kv_pool_tokens // page)
         if n_pages < 1:
             raise UserError(f"kv_pool_tokens must be >= 1, got {kv_pool_tokens}")
         self.pages = PagePool(n_pages, page, batch_size, per_row)
-        # A hybrid's rows also need the recurrent state at the shared boundary, which pages do
-        # not hold: its prompts prefill from their start.
+        # A model with snapshot kinds (a recurrent state) also needs each row's state at the
+        # shared boundary, which pages do not hold: its prompts prefill from their start.
         self.share_prefixes = (share_prefixes and page % cfg.block_size == 0
-                               and cfg.sequence_module is None)
+                               and ModelCache.snapshot_shape(cfg) is None)
         self.runner = Runner(cfg, params, self.mesh, batch_size=batch_size,
                              buffer_size=buffer_size, capacity=self.capacity, n_pages=n_pages,
                              debug=debug, split_experts=split_experts)
@@ -118,9 +117,9 @@ class Engine:
         self.pool_hit_tokens = 0  # of those, the ones mapped from the pool's shared prefix pages
         self.prefill_seconds_per_token = 0.0  # measured in warmup (with a prefix store)
         self._prefix = None if prefix_store is None else PrefixGlue(
-            prefix_store, cfg, self.cache, self.kv.dtype,
+            prefix_store, cfg, self.kv.block_dtype,
             prefix_programs(cfg, self.mesh, batch_size, self.capacity, n_pages,
-                            np.dtype(self.kv.dtype).name, offload_blocks_per_call),
+                            np.dtype(self.kv.block_dtype).name, offload_blocks_per_call),
             self.runner.put, batch_size, offload_blocks_per_call, self.prefill_chunk, self._bucket)
         self.offloader = None if self._prefix is None else self._prefix.offloader
 
@@ -643,8 +642,8 @@ class Engine:
             self.pages.register(row, keys)
 
     def _stage_prefilled(self, adm: Admission) -> None:
-        """A hybrid's rows after a prefill round: the prompt blocks written so far go to the
-        prefix store with a snapshot of the state after them. A row's state exists only at its
+        """Rows of a model with snapshot kinds after a prefill round: the prompt blocks written
+        so far go to the prefix store with a snapshot of the state after them. A row's state exists only at its
         committed end, so this is where prompts get snapshots: one per round (every
         prefill_chunk tokens of a long prompt, and the prompt's last full block), before the
         first decode call commits past them."""
@@ -662,7 +661,7 @@ class Engine:
         for call in calls:
             self._prefill_call(adm.prompts, adm.full_len, adm.start, call)
         adm.start = after
-        if calls and self.offloader is not None and self._prefix.hybrid:
+        if calls and self.offloader is not None and self._prefix.snapshots:
             self._stage_prefilled(adm)
         return adm.prefilled
 

@@ -1,4 +1,4 @@
-"""Page accounting for the paged KV pool (model/kv_cache.py): which pool pages each row holds,
+"""Page accounting for the paged KV pool (model/paged_kv.py): which pool pages each row holds,
 and which hold a committed prompt prefix that later requests may share.
 
 Host-side and pure bookkeeping: the engine asks for pages when it admits a request (enough for

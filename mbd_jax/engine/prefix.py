@@ -1,7 +1,7 @@
 """The engine's prefix-cache glue: stored leading blocks of a prompt looked up, sent to the
 device and loaded into the admitted row; committed blocks staged for the store after each decode
-call (cache/offload.py, double-buffered). Reaches the KV pool only through the model's cache
-interface (model/kv_cache.py)."""
+call (cache/offload.py, double-buffered). Reaches the cache only through the model's cache
+interface (model/cache.py: block entries, and snapshots for a model with recurrent state)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from mbd_jax.cache.prefix_store import PrefixStore, state_key
 from mbd_jax.config import ModelConfig
 from mbd_jax.engine.programs import PrefixPrograms
 from mbd_jax.errors import UserError
+from mbd_jax.model.cache import ModelCache
 
 
 @dataclasses.dataclass
@@ -27,15 +28,14 @@ class PrefixHit:
     tokens: int  # prompt positions [0, tokens) are covered (`after`: nothing found)
     chunks: list[tuple[int, jax.Array]]  # (start, cache entries of T positions), T a prefill bucket
     asked: int = 0  # blocks looked up (found: (tokens - after) / block size)
-    state: jax.Array | None = None  # a hybrid's recurrent state after the found blocks
+    snapshot: jax.Array | None = None  # the rows' states after the found blocks (snapshot kinds)
 
 
 class PrefixGlue:
-    def __init__(self, store: PrefixStore, cfg: ModelConfig, cache: Any, dtype: Any,
-                 progs: PrefixPrograms, put: Callable[[np.ndarray], jax.Array],
+    def __init__(self, store: PrefixStore, cfg: ModelConfig, dtype: Any, progs: PrefixPrograms, put: Callable[[np.ndarray], jax.Array],
                  batch_size: int, blocks_per_call: int, prefill_chunk: int,
                  bucket_of: Callable[[int], int]):
-        """`cache`: the model's cache type; `dtype`: its entries'; `progs`: the jitted loads and
+        """`dtype`: the cache's block entries'; `progs`: the jitted loads and
         gathers (programs.py); `put`: a host array onto the mesh; `bucket_of`: the prefill
         bucket of a token count."""
         if store.block_size != cfg.block_size:
@@ -44,18 +44,18 @@ class PrefixGlue:
         if jax.process_count() > 1:
             raise UserError("the prefix cache runs on one process; disable cache.enabled for "
                             "a multi-process launch")
-        self.store, self.cfg, self.cache = store, cfg, cache
+        self.store, self.cfg = store, cfg
         self._put, self._bucket_of, self._prefill_chunk = put, bucket_of, prefill_chunk
         self.dtype = dtype
-        store.expect(cache.entry_shape(cfg, cfg.block_size), self.dtype)  # one block's entries
-        self._load, self._load_state = progs.load, progs.load_state
-        # A hybrid's rows also need their recurrent state at the boundary a hit ends on: the
-        # store keeps snapshots beside the blocks (one per row and staging, at most).
-        snapshot = cache.state_entry_shape(cfg)
-        self.hybrid = snapshot is not None
-        if self.hybrid:
+        store.expect(ModelCache.block_shape(cfg, cfg.block_size), self.dtype)  # one block's
+        self._load, self._load_snapshot = progs.load, progs.load_snapshot
+        # A model with recurrent state also needs its rows' states at the boundary a hit ends
+        # on: the store keeps snapshots beside the blocks (one per row and staging, at most).
+        snapshot = ModelCache.snapshot_shape(cfg)
+        self.snapshots = snapshot is not None
+        if self.snapshots:
             store.expect(snapshot, np.float32, kind="state")
-        states = (progs.gather_states, progs.empty_states) if self.hybrid else None
+        states = (progs.gather_snapshots, progs.empty_snapshots) if self.snapshots else None
         self.offloader = KVOffloader(store, progs.gather, progs.empty, batch_size,
                                      blocks_per_call, states)
 
@@ -65,19 +65,19 @@ class PrefixGlue:
         Not counted in the store's stats: `load` counts the lookup it uses."""
         blk = self.cfg.block_size
         first, last = after // blk, len(prompt) // blk
-        # blocks (and a hybrid's snapshots) this engine committed lately may still be on their
+        # blocks (and snapshots) this engine committed lately may still be on their
         # way to the store: the lookup waits for them rather than miss them
         keys = self.store.keys(np.asarray(prompt[: last * blk]))
         wanted = set(keys)
-        if self.hybrid:
+        if self.snapshots:
             wanted |= {state_key(k) for k in keys}
         self.offloader.settle(wanted)
         state = None
-        if self.hybrid:
-            # From the first block (the pool shares no pages for a hybrid: they hold no state)
-            # to the last one found that has a state snapshot.
+        if self.snapshots:
+            # From the first block (the pool shares no pages for such a model: they hold no
+            # state) to the last one found that has a snapshot.
             if after:
-                raise ValueError(f"a hybrid's prefix lookup starts at 0, not {after}")
+                raise ValueError(f"a prefix lookup with snapshots starts at 0, not {after}")
             entries, state = self.store.lookup_with_state(prompt, max_blocks=last, count=False,
                                                           known=keys)
         else:
@@ -87,11 +87,11 @@ class PrefixGlue:
         chunks = []
         for start in range(0, len(entries), per_chunk):
             part = entries[start: start + per_chunk]
-            span = self.cache.join(part, self._bucket_of(len(part) * blk))  # padded to a bucket
+            span = ModelCache.join(self.cfg, part, self._bucket_of(len(part) * blk))  # a bucket
             chunks.append((after + start * blk, self._put(span)))
         return PrefixHit(after=after, tokens=after + len(entries) * blk, chunks=chunks,
                          asked=max(last - first, 0),
-                         state=None if state is None else self._put(state))
+                         snapshot=None if state is None else self._put(state))
 
     def load(self, kv: Any, row: int, prompt: np.ndarray, hit: PrefixHit | None,
              after: int = 0) -> tuple[Any, int]:
@@ -106,8 +106,8 @@ class PrefixGlue:
         self.store.record(found, hit.asked - found)
         for chunk_start, blocks in hit.chunks:
             kv = self._load(kv, blocks, np.int32(row), np.int32(chunk_start))
-        if hit.state is not None:
-            kv = self._load_state(kv, hit.state, np.int32(row))
+        if hit.snapshot is not None:
+            kv = self._load_snapshot(kv, hit.snapshot, np.int32(row))
         tokens = hit.tokens
         self.offloader.reset_row(row, tokens // self.cfg.block_size)
         return kv, tokens
@@ -115,9 +115,9 @@ class PrefixGlue:
     def warm_load(self, kv: Any, tokens: int) -> Any:
         """Compiles loading `tokens` cached positions (a bucket) into a row (row 0, before any
         request)."""
-        entries = np.zeros(self.cache.entry_shape(self.cfg, tokens), self.dtype)
+        entries = np.zeros(ModelCache.block_shape(self.cfg, tokens), self.dtype)
         kv = self._load(kv, self._put(entries), np.int32(0), np.int32(0))
-        if self.hybrid:
-            snapshot = np.zeros(self.cache.state_entry_shape(self.cfg), np.float32)
-            kv = self._load_state(kv, self._put(snapshot), np.int32(0))
+        if self.snapshots:
+            snapshot = np.zeros(ModelCache.snapshot_shape(self.cfg), np.float32)
+            kv = self._load_snapshot(kv, self._put(snapshot), np.int32(0))
         return kv

@@ -22,7 +22,8 @@ from mbd_jax.decoding import loop
 from mbd_jax.decoding.block_buffer import DecodeState
 from mbd_jax.engine import transfer
 from mbd_jax.model import sharding
-from mbd_jax.model.transformer import Transformer, cache_type
+from mbd_jax.model.cache import ModelCache
+from mbd_jax.model.transformer import Transformer
 from mbd_jax.parallel import mesh as meshlib
 
 PROGRAM_SETS = 8  # distinct (model, mesh, shapes) keys kept per process, least recently used out
@@ -52,13 +53,12 @@ def programs(cfg: ModelConfig, mesh: jax.sharding.Mesh, batch_size: int, capacit
              n_pages: int, buffer_size: int, debug: bool) -> Programs:
     """The programs of an engine of `batch_size` rows, a cache of `capacity` positions per row
     in `n_pages` pages, and a compiled N_buf of `buffer_size`, on `mesh`."""
-    cache = cache_type(cfg)
     replicated = meshlib.replicated(mesh)
     kv_sharding = sharding.cache_shardings(cfg, mesh, batch_size, capacity, n_pages)
     apply_fn = Transformer(cfg, mesh).apply
     return Programs(
         kv_sharding=kv_sharding,
-        allocate_kv=jax.jit(lambda: cache.allocate(cfg, batch_size, capacity, n_pages),
+        allocate_kv=jax.jit(lambda: ModelCache.allocate(cfg, batch_size, capacity, n_pages),
                             out_shardings=kv_sharding),
         prefill=jax.jit(functools.partial(loop.prefill, apply_fn=apply_fn),
                         donate_argnames=("kv",), out_shardings=kv_sharding),
@@ -81,12 +81,12 @@ def programs(cfg: ModelConfig, mesh: jax.sharding.Mesh, batch_size: int, capacit
 class PrefixPrograms:
     """The prefix cache's programs (engine/prefix.py, cache/offload.py)."""
 
-    load: Callable  # (kv, entries [.., T, ..], row, start) -> kv  (kv donated)
+    load: Callable  # (kv, block entries [.., T, ..], row, start) -> kv  (kv donated)
     gather: Callable  # (staging, kv, rows [n], starts [n]) -> staging  (staging donated)
     empty: Callable  # () -> a zero staging buffer [blocks_per_call, *one block's entries]
-    load_state: Callable | None  # a hybrid's: (kv, state entry, row) -> kv  (kv donated)
-    gather_states: Callable | None  # a hybrid's: (staging, kv, rows [B]) -> staging
-    empty_states: Callable | None  # a hybrid's: () -> [B, *state entry] zeros
+    load_snapshot: Callable | None  # with snapshot kinds: (kv, snapshot, row) -> kv (donated)
+    gather_snapshots: Callable | None  # with snapshot kinds: (staging, kv, rows [B]) -> staging
+    empty_snapshots: Callable | None  # with snapshot kinds: () -> [B, *snapshot] zeros
 
 
 @functools.lru_cache(maxsize=PROGRAM_SETS)
@@ -94,24 +94,23 @@ def prefix_programs(cfg: ModelConfig, mesh: jax.sharding.Mesh, batch_size: int, 
                     n_pages: int, dtype: str, blocks_per_call: int) -> PrefixPrograms:
     """The prefix cache's programs for an engine of programs()' key, whose cache entries have
     `dtype` (a NumPy dtype name), staging `blocks_per_call` blocks per decode call."""
-    cache = cache_type(cfg)
     replicated = meshlib.replicated(mesh)
     kv_sharding = sharding.cache_shardings(cfg, mesh, batch_size, capacity, n_pages)
-    staging = (blocks_per_call, *cache.entry_shape(cfg, cfg.block_size))
-    snapshot = cache.state_entry_shape(cfg)
-    hybrid = snapshot is not None
+    staging = (blocks_per_call, *ModelCache.block_shape(cfg, cfg.block_size))
+    snapshot = ModelCache.snapshot_shape(cfg)
+    snapshots = snapshot is not None
     return PrefixPrograms(
         load=jax.jit(lambda kv, entries, row, start: kv.load(entries, row, start),
                      donate_argnums=0, out_shardings=kv_sharding),
         gather=jax.jit(lambda staging, kv, rows, starts: kv.gather(rows, starts, cfg.block_size),
                        donate_argnums=0, out_shardings=replicated),
         empty=jax.jit(lambda: jnp.zeros(staging, dtype), out_shardings=replicated),
-        load_state=jax.jit(lambda kv, entry, row: kv.load_state(entry, row), donate_argnums=0,
-                           out_shardings=kv_sharding) if hybrid else None,
-        gather_states=jax.jit(lambda staging, kv, rows: kv.gather_states(rows),
-                              donate_argnums=0, out_shardings=replicated) if hybrid else None,
-        empty_states=jax.jit(lambda: jnp.zeros((batch_size, *snapshot), jnp.float32),
-                             out_shardings=replicated) if hybrid else None,
+        load_snapshot=jax.jit(lambda kv, entry, row: kv.load_snapshot(entry, row),
+                              donate_argnums=0, out_shardings=kv_sharding) if snapshots else None,
+        gather_snapshots=jax.jit(lambda staging, kv, rows: kv.gather_snapshots(rows),
+                                 donate_argnums=0, out_shardings=replicated) if snapshots else None,
+        empty_snapshots=jax.jit(lambda: jnp.zeros((batch_size, *snapshot), jnp.float32),
+                                out_shardings=replicated) if snapshots else None,
     )
 
 

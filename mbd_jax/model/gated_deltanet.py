@@ -30,6 +30,7 @@ from mbd_jax.config import ModelConfig
 from mbd_jax.model import delta_rule
 from mbd_jax.model.forward_meta import ForwardMeta, group_starts
 from mbd_jax.model.params import NORMAL, param
+from mbd_jax.model.recurrent_state import RecurrentState
 
 
 def _pad_blocks(block: int, q, k, v, g, beta):
@@ -103,9 +104,10 @@ class GatedDeltaNet(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, meta: ForwardMeta, cache, layer):
-        """x: [B, T, D] (normed); `layer` indexes this layer's state in the cache. Returns
-        (out [B, T, D], the cache with the committed rows' states advanced)."""
+    def __call__(self, x, meta: ForwardMeta, cache: RecurrentState | None, slot):
+        """x: [B, T, D] (normed); `slot`: this layer's index among the linear layers (an int, or
+        traced when scanned). Returns (out [B, T, D], the states with the committed rows'
+        advanced)."""
         cfg, sm = self.cfg, self.cfg.sequence_module
         dt = jnp.dtype(cfg.compute_dtype)
         d, hk, hv, dk, dv = (cfg.hidden_size, sm.num_key_heads, sm.num_value_heads,
@@ -136,7 +138,7 @@ class GatedDeltaNet(nn.Module):
         tail = jnp.zeros((b, sm.conv_kernel - 1, channels.shape[-1]), dt)
         if cache is not None:  # each row's, after its committed positions (none: zeros)
             rows = meta.rows if meta.rows is not None else jnp.arange(b)
-            cached_state, cached_tail = (a[rows] for a in cache.recurrent(layer))
+            cached_state, cached_tail = (a[rows] for a in cache.read(slot))
             fresh = (meta.write_offset == 0)[:, None, None]
             state = jnp.where(fresh[..., None], state, cached_state)
             tail = jnp.where(fresh, tail, cached_tail.astype(dt))
@@ -161,13 +163,14 @@ class GatedDeltaNet(nn.Module):
                                                               padded[0].shape[1]))
             o = o[:, :t]
         if cache is not None:
-            cache = self._commit(cache, layer, meta, rows, state, states, tail, channels)
+            cache = self._commit(cache, slot, meta, rows, state, states, tail, channels)
         norm = param(self, "norm", (dv,), ("head_dim",), nn.initializers.ones)
         o = delta_rule.gated_rms_norm(o.astype(dt), z, norm, cfg.rms_norm_eps)  # [B, T, Hv, Dv]
         w_out = param(self, "out_proj", (hv, dv, d), ("heads", "head_dim", "embed"), NORMAL)
         return jnp.einsum("bthk,hkd->btd", o, w_out.astype(dt)), cache
 
-    def _commit(self, cache, layer, meta: ForwardMeta, rows, state, states, tail, channels):
+    def _commit(self, cache: RecurrentState, slot, meta: ForwardMeta, rows, state, states, tail,
+                channels):
         """Writes each storing row's state after its committed blocks (its old one when it
         commits none) and the conv inputs just before them."""
         blk, width = self.cfg.block_size, tail.shape[1]
@@ -177,4 +180,4 @@ class GatedDeltaNet(nn.Module):
         after = jnp.where((n > 0)[:, None, None, None], after, state)
         ext = jnp.concatenate([tail, channels], axis=1)  # [B, W - 1 + T, C]
         new_tail = jax.vmap(lambda e, c: jax.lax.dynamic_slice_in_dim(e, c, width))(ext, meta.commit)
-        return cache.write_recurrent(layer, rows, after, new_tail, keep=~meta.write | (n == 0))
+        return cache.write(slot, rows, after, new_tail, keep=~meta.write | (n == 0))

@@ -1,7 +1,7 @@
 """Pure functions for the transformer's math: RMSNorm, rotary embedding, block-causal attention.
 
 Shapes: B batch rows, T new tokens, S key positions, H query heads, K kv heads, G = H // K query
-heads per kv head, Dh head dim. Positions are absolute (the KV pool maps them to pages: model/kv_cache.py).
+heads per kv head, Dh head dim. Positions are absolute (the KV pool maps them to pages: model/paged_kv.py).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mbd_jax.model.kv_cache import KVCache
+from mbd_jax.model.paged_kv import PagedKV
 
 NEG_INF = -1e30  # finite "minus infinity": fully masked rows stay finite (no NaN from exp/div)
 
@@ -51,7 +51,7 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
     return out.reshape(b, t, h, dh).astype(q.dtype)
 
 
-def chunked_attention(q: jax.Array, kv: KVCache, layer, q_pos: jax.Array,
+def chunked_attention(q: jax.Array, kv: PagedKV, slot, q_pos: jax.Array,
                       visible_len: jax.Array, block_size: int, chunk: int,
                       rows: jax.Array | None = None, used: jax.Array | None = None) -> jax.Array:
     """Block-causal attention over one layer of the paged KV pool, reading only the used prefix.
@@ -69,7 +69,8 @@ def chunked_attention(q: jax.Array, kv: KVCache, layer, q_pos: jax.Array,
     two plain batched matmuls ([G * T, Dh] x [Dh, chunk], then [G * T, chunk] x [chunk, Dh]) per
     (row, kv head): with a 5-d "btkgd" layout XLA:CPU ran them 2-3x slower (docs/lab/performance-history.md).
 
-    q: [B, T, H, Dh]; kv: the cache (chunk a whole number of pages); layer: int, may be traced;
+    q: [B, T, H, Dh]; kv: the pool (chunk a whole number of pages); slot: the attention layer
+    (int, may be traced);
     q_pos: [B, T]; visible_len: [B]; rows: [B] the cache row of each query row (None: row b);
     used: [B] bool, the rows whose output is read (None: every row). Returns [B, T, H, Dh].
     """
@@ -90,7 +91,7 @@ def chunked_attention(q: jax.Array, kv: KVCache, layer, q_pos: jax.Array,
 
     # This layer's key and value pools, taken out once: the loop then carries one layer, not a
     # whole stacked pool (which XLA:CPU would copy into the loop for every layer).
-    k_layer, v_layer = kv.layer(layer)  # [P, page, K, Dh]
+    k_layer, v_layer = kv.layer(slot)  # [P, page, K, Dh]
 
     def step(i, carry, masked: bool):
         m, l, acc = carry  # m, l: [B, K, G * T]; acc: [B, K, G * T, Dh]

@@ -9,7 +9,8 @@ import jax
 from jax.sharding import Mesh
 
 from mbd_jax.config import ModelConfig
-from mbd_jax.model.transformer import cache_type, param_logical_axes, param_shapes
+from mbd_jax.model.cache import ModelCache
+from mbd_jax.model.transformer import param_logical_axes, param_shapes
 from mbd_jax.parallel.mesh import tree_shardings
 
 
@@ -20,12 +21,11 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh) -> Any:
 
 def cache_shardings(cfg: ModelConfig, mesh: Mesh, batch: int, capacity: int,
                     pages: int | None = None) -> Any:
-    """The model's cache (transformer.cache_type) as a tree of shardings, from the logical axes
-    the cache names: KV heads on `tensor`; the KV pool's pages (any row's) and the page table
-    replicated over `data`."""
-    cache = cache_type(cfg)
-    shapes = jax.eval_shape(lambda: cache.allocate(cfg, batch, capacity, pages))
-    return tree_shardings(cache.logical_axes(cfg), shapes, mesh)
+    """The model's cache (model/cache.py) as a tree of shardings, from the logical axes its kinds
+    name: KV heads on `tensor`; the KV pool's pages (any row's) and the page table replicated
+    over `data`."""
+    shapes = jax.eval_shape(lambda: ModelCache.allocate(cfg, batch, capacity, pages))
+    return tree_shardings(ModelCache.logical_axes(cfg), shapes, mesh)
 
 
 def abstract_params(cfg: ModelConfig, mesh: Mesh) -> Any:

@@ -3,15 +3,15 @@
     logits, cache = model.apply(params, tokens[B, T], meta, cache)
 
 `meta` (model/forward_meta.py) carries the positions and the rest of what the layers need. With a
-cache, each layer stores the T new tokens' K/V at `meta.write_offset` for the rows `meta.write`
-selects and attends over the cache with the block-causal rule on absolute positions, bounded by
-`meta.visible_len`. Without one (`cache=None`), the layers attend over the T tokens themselves
-under the explicit `meta.mask[B, T, T]` (training, and the full-sequence reference in tests).
-The cache's type is the model's (`cache_type`): nothing outside the model names its layout.
+cache (model/cache.py: one entry per layer type), each layer's token mixer (model/layer_types.py)
+stores what it keeps of the T new tokens for the rows `meta.write` selects (an attention layer:
+K/V at `meta.write_offset`) and reads the cache under the block-causal rule on absolute
+positions, bounded by `meta.visible_len`. Without one (`cache=None`), the layers read the T tokens
+themselves under the explicit `meta.mask[B, T, T]` (training, the full-sequence reference).
 
 The layers run unrolled or as one nn.scan per run of identical layers (model/layout.py); either
-way each layer gets its index and the carry (x, kv); the KV pool's form follows the loop
-(model/kv_cache.py: per-layer arrays unrolled, one stacked array scanned).
+way each layer gets its index and the carry (x, cache); each kind's arrays follow the loop
+(per-layer arrays unrolled, one stacked array scanned).
 
 With a device `mesh` of more than one device, the routed experts run expert-parallel inside
 shard_map (parallel/expert.py); everything else is partitioned by XLA from the parameter and
@@ -30,54 +30,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from mbd_jax.config import ModelConfig
-from mbd_jax.model import layers, layout, moe, rope
+from mbd_jax.model import layers, layout, moe
+from mbd_jax.model.cache import ModelCache
 from mbd_jax.model.forward_meta import ForwardMeta
-from mbd_jax.model.gated_deltanet import GatedDeltaNet
-from mbd_jax.model.kv_cache import KVCache
+from mbd_jax.model.layer_types import layer_type
 from mbd_jax.model.params import NORMAL, draw_normals, expert_weight, norm_weight, param
 from mbd_jax.parallel.expert import sharded_experts
 from mbd_jax.parallel.mesh import tree_shardings
-
-
-class Attention(nn.Module):
-    cfg: ModelConfig
-
-    @nn.compact
-    def __call__(self, x, meta: ForwardMeta, kv: KVCache | None, layer):
-        cfg = self.cfg
-        dt = jnp.dtype(cfg.compute_dtype)
-        d, h, kh, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        wq = param(self, "q_proj", (d, h, dh), ("embed", "heads", "head_dim"), NORMAL)
-        wk = param(self, "k_proj", (d, kh, dh), ("embed", "kv_heads", "head_dim"), NORMAL)
-        wv = param(self, "v_proj", (d, kh, dh), ("embed", "kv_heads", "head_dim"), NORMAL)
-        wo = param(self, "o_proj", (h, dh, d), ("heads", "head_dim", "embed"), NORMAL)
-        q = jnp.einsum("btd,dhk->bthk", x, wq.astype(dt))  # [B, T, H, Dh]
-        k = jnp.einsum("btd,dhk->bthk", x, wk.astype(dt))  # [B, T, K, Dh]
-        v = jnp.einsum("btd,dhk->bthk", x, wv.astype(dt))
-        if cfg.qk_norm:
-            q = layers.rms_norm(q, norm_weight(self, "q_norm", dh, ("head_dim",)), cfg.rms_norm_eps)
-            k = layers.rms_norm(k, norm_weight(self, "k_norm", dh, ("head_dim",)), cfg.rms_norm_eps)
-        inv_freq, scale = rope.frequencies(cfg)
-        q = rope.apply_rope(q, meta.positions, inv_freq, scale)
-        k = rope.apply_rope(k, meta.positions, inv_freq, scale)
-
-        if kv is None:  # explicit-mask path over the T tokens themselves
-            out = layers.dense_attention(q, k, v, meta.mask)
-        else:  # write into the buffer, then attend over it
-            kv = kv.write(layer, k, v, meta)
-            if cfg.attention_impl == "chunked":
-                out = layers.chunked_attention(q, kv, layer, meta.positions, meta.visible_len,
-                                               cfg.block_size, min(cfg.attention_chunk, kv.capacity),
-                                               meta.rows, used=meta.write)
-            else:
-                k_all, v_all = (kv.span(a, meta.rows, 0, kv.capacity) for a in kv.layer(layer))
-                visible = layers.block_causal_visible(meta.positions, jnp.arange(kv.capacity),
-                                                      meta.visible_len, cfg.block_size)
-                out = layers.dense_attention(q, k_all.astype(dt), v_all.astype(dt), visible)
-        if cfg.attention_output_gate:  # each head's output scaled by its own sigmoid gate
-            wg = param(self, "gate_proj", (d, h, dh), ("embed", "heads", "head_dim"), NORMAL)
-            out = out * jax.nn.sigmoid(jnp.einsum("btd,dhk->bthk", x, wg.astype(dt)))
-        return jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), kv
 
 
 class DenseMLP(nn.Module):
@@ -136,8 +95,9 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One layer; `index` fixes its kind (dense MLP or MoE), `layer` (int or traced) is where its
-    KV lives. Carry in, carry out, so the same module runs unrolled or under nn.scan."""
+    """One layer; `index` fixes its kind (token mixer: model/layer_types.py; dense MLP or MoE),
+    `layer` (int or traced) is where its cache entries live. Carry in, carry out, so the same
+    module runs unrolled or under nn.scan."""
     cfg: ModelConfig
     index: int
     mesh: Mesh | None = None
@@ -145,20 +105,23 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, carry, layer, meta: ForwardMeta):
         cfg = self.cfg
-        x, kv = carry  # x: [B, T, D]
+        x, cache = carry  # x: [B, T, D]
         norm = lambda name: norm_weight(self, name, cfg.hidden_size, ("embed",))  # noqa: E731
         h = layers.rms_norm(x, norm("input_norm"), cfg.rms_norm_eps)
-        if cfg.layer_type(self.index) == "linear_attention":
-            mixed, kv = GatedDeltaNet(cfg, name="linear_attn")(h, meta, kv, layer)
-        else:
-            mixed, kv = Attention(cfg, name="attn")(h, meta, kv, layer)
+        name, kind = cfg.layer_type(self.index), layer_type(cfg, self.index)
+        mixer = kind.mixer(cfg, name=kind.param_name)
+        if cache is None:
+            mixed, _ = mixer(h, meta, None, None)
+        else:  # the mixer reads and writes its own kind's entry
+            mixed, entry = mixer(h, meta, cache.entries[name], cache.slot(layer))
+            cache = cache.with_entry(name, entry)
         x = x + mixed
         h = layers.rms_norm(x, norm("post_attn_norm"), cfg.rms_norm_eps)
         if cfg.is_moe_layer(self.index):
             x = x + MoE(cfg, self.mesh, name="moe")(h)
         else:
             x = x + DenseMLP(cfg, cfg.intermediate_size, name="mlp")(h)
-        return (x, kv), None
+        return (x, cache), None
 
 
 class Transformer(nn.Module):
@@ -166,7 +129,7 @@ class Transformer(nn.Module):
     mesh: Mesh | None = None  # expert parallelism under this mesh (None: one device)
 
     @nn.compact
-    def __call__(self, tokens, meta: ForwardMeta, cache: KVCache | None = None):
+    def __call__(self, tokens, meta: ForwardMeta, cache: ModelCache | None = None):
         """tokens: [B, T] int32. Returns (logits [B, T, V] float32, the updated cache or None)."""
         cfg, dt = self.cfg, jnp.dtype(self.cfg.compute_dtype)
         if (cache is None) == meta.uses_cache:
@@ -249,14 +212,6 @@ def _abstract_params(cfg: ModelConfig) -> tuple[Any, Any]:
     boxed = jax.eval_shape(lambda k: model.init(k, tokens, ForwardMeta.explicit(tokens, mask)),
                            jax.random.PRNGKey(0))["params"]
     return nn.meta.unbox(boxed), nn.get_partition_spec(boxed)
-
-
-def cache_type(cfg: ModelConfig) -> type[KVCache]:
-    """The cache this model's layers read and write: the paged KV pool, with the linear layers'
-    recurrent states beside it for a hybrid. The engine, the offloader, the prefix store and the
-    mesh rules use its interface."""
-    del cfg  # one type holds every layer kind's entries
-    return KVCache
 
 
 def block_causal_mask(positions: jax.Array, block_size: int) -> jax.Array:
