@@ -38,6 +38,11 @@ def page_keys(prompt: Sequence[int], page: int, full_len: int) -> list[bytes]:
 class PagePool:
     def __init__(self, num_pages: int, page: int, rows: int, pages_per_row: int):
         self.num_pages, self.page, self.pages_per_row = num_pages, page, pages_per_row
+        self.clear(rows)
+
+    def clear(self, rows: int) -> None:
+        """Every page free, no row holding any, nothing indexed (a fresh pool)."""
+        num_pages, pages_per_row = self.num_pages, self.pages_per_row
         self.refs = np.zeros(num_pages, np.int32)  # rows holding each page
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: the lowest page comes first
         self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()  # oldest first

@@ -1,0 +1,414 @@
+"""The step's parts: an engine's rows on the device and the calls over them. Admission into free
+rows (KV pages and shared prefix pages, prefix-store hits, prefill rounds, the merge into the
+running state), decode calls, cancelling and releasing rows, host views and results. `Engine`
+(core.py) builds its one `step()` from these; warm-up (warmup.py), tools and tests call them one
+by one. Every device call goes through the Runner (runner.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from mbd_jax import compile_stats
+from mbd_jax.cache.prefix_store import PrefixStore
+from mbd_jax.config import DecodeConfig, ModelConfig
+from mbd_jax.decoding import block_buffer
+from mbd_jax.decoding.block_buffer import DecodeState
+from mbd_jax.engine import admission, checks, results
+from mbd_jax.engine.admission import ROW_PREFILL_MIN, Admission, PrefillCall
+from mbd_jax.engine.host_view import HostViews
+from mbd_jax.engine.page_plan import PagePlan
+from mbd_jax.engine.pages import PagePool
+from mbd_jax.engine.prefix import PrefixGlue, PrefixHit
+from mbd_jax.engine.programs import prefix_programs
+from mbd_jax.engine.results import GenerationResult
+from mbd_jax.engine.runner import Runner
+from mbd_jax.engine.stats import RECENT_CALLS, EngineStats
+from mbd_jax.errors import UserError
+from mbd_jax.model.cache import ModelCache
+from mbd_jax.parallel import mesh as meshlib
+from mbd_jax.tokenizer import Tokenizer
+
+
+class Batch:
+    def __init__(self, cfg: ModelConfig, params: Any, *, batch_size: int = 4, buffer_size: int = 1,
+                 prefill_chunk: int = 256, steps_per_call: int = 64, debug: bool = False,
+                 tokenizer: Tokenizer | None = None, record_steps: int = 0, record_len: int = 0,
+                 prefix_store: PrefixStore | None = None, offload_blocks_per_call: int = 64,
+                 mesh: jax.sharding.Mesh | None = None, row_prefill_min: int = ROW_PREFILL_MIN,
+                 kv_pool_tokens: int | None = None, share_prefixes: bool = True,
+                 split_experts: bool = True):
+        """batch_size rows decode together; buffer_size is the compiled N_buf (requests may use
+        less); with `debug`, every decode step checks the Block Buffer invariants and a broken
+        one raises (slower: the check scans each row's canvas). With a tokenizer, results carry
+        text. record_steps x record_len > 0 records each step's full prediction of the first
+        record_len generated positions (the last record_steps steps), which voting needs.
+        With a prefix store, admitted prompts reuse stored leading blocks and committed blocks
+        are persisted after every decode call (double-buffered, cache/offload.py). `mesh`: the
+        devices to run on (default: the first device). `row_prefill_min`: prefill chunks of at
+        least this many tokens run one row at a time (ROW_PREFILL_MIN). `kv_pool_tokens`: the
+        positions the KV pool holds over all rows (rounded up to whole pages; default: every
+        row can hold a full context at once); a request waits until its pages are free.
+        `share_prefixes`: a prompt whose leading pages match a prefilled prompt's maps those
+        pages instead of prefilling them (pages.py; needs pages of whole blocks).
+        `split_experts`: keep each routed expert's weights as arrays of their own while the
+        all-rows program runs the looped path on one CPU device (model/layout.py's
+        splits_experts; the engine's copies, so the caller's stacked ones are not needed); False
+        keeps them stacked everywhere."""
+        if prefill_chunk < cfg.block_size or prefill_chunk % cfg.block_size:
+            raise UserError(f"prefill_chunk ({prefill_chunk}) must be a positive multiple of "
+                            f"block_size ({cfg.block_size})")
+        if batch_size < 1 or buffer_size < 1:
+            raise UserError("batch_size and buffer_size must be >= 1")
+        compile_stats.install()  # count this engine's compilations from the first one
+        self.cfg = cfg
+        self.mesh = mesh if mesh is not None else meshlib.single_device_mesh()
+        self.batch_size = batch_size
+        self.buffer_size = buffer_size
+        self.prefill_chunk = min(prefill_chunk, cfg.max_seq_len)
+        self.steps_per_call = steps_per_call
+        self.row_prefill_min = row_prefill_min
+        self.debug = debug
+        self.tokenizer = tokenizer
+        self.record = (record_steps, record_len) if record_steps > 0 and record_len > 0 else (0, 0)
+        # (seconds, decode steps) of the latest decode calls, for benches and metrics (stats())
+        self._call_log: collections.deque[tuple[float, int]] = collections.deque(maxlen=RECENT_CALLS)
+        self._decode_calls = 0
+        window = buffer_size * cfg.block_size
+        # The model's cache (its layout is the model's business: model/cache.py). A forward
+        # writes at most one decode window or one prefill chunk, starting before max_seq_len.
+        self.capacity = ModelCache.capacity_for(cfg, max(self.prefill_chunk, window))
+        page = ModelCache.page_size(cfg)
+        per_row = self.capacity // page
+        n_pages = batch_size * per_row if kv_pool_tokens is None else -(-kv_pool_tokens // page)
+        if n_pages < 1:
+            raise UserError(f"kv_pool_tokens must be >= 1, got {kv_pool_tokens}")
+        self.pages = PagePool(n_pages, page, batch_size, per_row)
+        # A model with snapshot kinds (a recurrent state) also needs each row's state at the
+        # shared boundary, which pages do not hold: its prompts prefill from their start.
+        self.plan = PagePlan(self.pages, cfg, buffer_size,
+                             share_prefixes=share_prefixes and page % cfg.block_size == 0
+                             and ModelCache.snapshot_shape(cfg) is None)
+        self.runner = Runner(cfg, params, self.mesh, batch_size=batch_size,
+                             buffer_size=buffer_size, capacity=self.capacity, n_pages=n_pages,
+                             debug=debug, split_experts=split_experts)
+        self.runner.set_table(self.pages.table)
+        self.moe_timings: dict[str, dict[str, float]] = {}  # measure: ms per step, per program
+        self.views = HostViews(self.runner.fetch_rows)  # the decode state on the host
+        self.prefix_store = prefix_store
+        self.prefix_hit_tokens = 0  # prompt tokens not prefilled: from the pool's pages or the store
+        self.pool_hit_tokens = 0  # of those, the ones mapped from the pool's shared prefix pages
+        self.prefill_seconds_per_token = 0.0  # measured in warmup (with a prefix store)
+        self.prefix = None if prefix_store is None else PrefixGlue(
+            prefix_store, cfg, self.kv.block_dtype,
+            prefix_programs(cfg, self.mesh, batch_size, self.capacity, n_pages,
+                            np.dtype(self.kv.block_dtype).name, offload_blocks_per_call),
+            self.runner.put, batch_size, offload_blocks_per_call, self.prefill_chunk, self._bucket)
+        self.offloader = None if self.prefix is None else self.prefix.offloader
+
+    @property
+    def kv(self) -> Any:
+        return self.runner.kv
+
+    @kv.setter
+    def kv(self, value: Any) -> None:
+        self.runner.kv = value
+
+    # the device side's state, read through the runner (tests and tools look at these)
+    params = property(lambda self: self.runner.params)
+    experts_split = property(lambda self: self.runner.experts_split)
+    moe_paths = property(lambda self: self.runner.moe_paths)
+
+    def use_expert_paths(self, all_rows: str, one_row: str) -> None:
+        self.runner.use_expert_paths(all_rows, one_row)
+
+    # ---------------------------------------------------------------- checks
+    def check_prompt(self, ids: Sequence[int], where: str = "prompt") -> None:
+        checks.check_prompt(self.cfg, ids, where)
+
+    def check_decode(self, d: DecodeConfig, where: str = "decoding") -> None:
+        checks.check_decode(d, self.buffer_size, self.record != (0, 0) and self.tokenizer is not None,
+                            where)
+
+    def check_fits(self, prompt: Sequence[int], d: DecodeConfig, where: str = "decoding") -> None:
+        self.plan.check_fits(prompt, d, where)
+
+    def pages_needed(self, prompt: Sequence[int], d: DecodeConfig) -> int:
+        return self.plan.pages_needed(prompt, d)
+
+    def pages_to_admit(self, prompt: Sequence[int], d: DecodeConfig) -> int:
+        return self.plan.pages_to_admit(prompt, d)
+
+    # ---------------------------------------------------------------- admission
+    def prefetch(self, prompt: Sequence[int]) -> PrefixHit | None:
+        """Looks a prompt's full blocks past the pages the pool maps up in the prefix store and
+        starts their transfer to the device (the scheduler calls this for queued requests, so the
+        copy overlaps their wait; admission looks again if the pool changed meanwhile, and counts
+        the lookup it uses). None without a store."""
+        if self.prefix is None:
+            return None
+        pool_hit = len(self.plan.prefix_pages(prompt)[1]) * self.pages.page  # the store's start
+        return self.prefix.prefetch(prompt, after=pool_hit)
+
+    def begin_admit(self, requests: dict[int, tuple[Sequence[int], DecodeConfig]],
+                    prefetched: dict[int, PrefixHit | None] | None = None) -> Admission:
+        """Starts admitting requests into free rows {row: (prompt ids, decode)}: validates them and
+        builds their fresh state; prompt blocks found in the prefix store (`prefetched` per row, or
+        looked up now) are copied into the row. Then `prefill_step` until it returns True, then
+        `finish_admit`. Decode calls may run between the steps: the other rows keep their state
+        and KV."""
+        rows = np.zeros(self.batch_size, bool)
+        prompts, decodes = self.blank_rows()
+        for row, (prompt, decode) in requests.items():
+            self.check_prompt(prompt)
+            self.check_decode(decode)
+            self.check_fits(prompt, decode)
+            rows[row], prompts[row], decodes[row] = True, np.asarray(prompt, np.int32), decode
+        for row in requests:  # the rows' old pages back first, then every row's new ones
+            self.pages.release(row)
+        if sum(self.plan.pages_to_admit(prompts[r], decodes[r]) for r in requests) > self.pages.free:
+            raise RuntimeError("KV pool: admitted requests need more pages than are free (the "
+                               "caller checks pages_to_admit against pages.free)")
+        start = np.zeros(self.batch_size, np.int32)
+        keys = {}
+        for row in requests:  # a prefix in the pool is mapped, not prefilled
+            keys[row], hit = self.plan.prefix_pages(prompts[row])
+            self.pages.reserve(row, self.plan.positions_held(prompts[row], decodes[row]), shared=hit)
+            start[row] = len(hit) * self.pages.page
+        self.pool_hit_tokens += int(start.sum())
+        self.runner.set_table(self.pages.table)
+        if self.prefix is not None:
+            for row in requests:  # the store serves what the pool missed, after its pages
+                self.kv, start[row] = self.prefix.load(self.kv, row, prompts[row],
+                                                        (prefetched or {}).get(row),
+                                                        after=int(start[row]))
+        self.prefix_hit_tokens += int(start.sum())
+        full_len = admission.full_blocks(prompts, rows, self.cfg.block_size)
+        return Admission(rows=rows, prompts=prompts, full_len=full_len,
+                         fresh=self.initial_state(prompts, decodes, done=~rows), start=start,
+                         keys=keys)
+
+    def prefill_step(self, adm: Admission) -> bool:
+        """The next prefill chunk of every admitted row with prompt blocks left; True once all
+        its prompt blocks are written."""
+        calls, after = self.next_round(adm.full_len, adm.start, adm.rows)
+        for call in calls:
+            self.prefill_call(adm.prompts, adm.full_len, adm.start, call)
+        adm.start = after
+        if calls and self.offloader is not None and self.prefix.snapshots:
+            self._stage_prefilled(adm)
+        return adm.prefilled
+
+    def finish_admit(self, state: DecodeState, adm: Admission) -> DecodeState:
+        """Merges the admitted rows' fresh state into the running state (one compiled program)."""
+        self._index_prompts(adm)
+        return self.runner.merge(state, adm.fresh, adm.rows)
+
+    def admit(self, state: DecodeState | None,
+              requests: dict[int, tuple[Sequence[int], DecodeConfig]]) -> DecodeState:
+        """Starts requests in free rows at once (begin_admit, every prefill step, finish_admit).
+        `state` None: no row is running, so the admission's own state (its other rows free) is
+        the new state, with no empty state to build and merge into."""
+        adm = self.begin_admit(requests)
+        while not self.prefill_step(adm):
+            pass
+        if state is None:
+            self._index_prompts(adm)
+            return adm.fresh
+        return self.finish_admit(state, adm)
+
+    def _index_prompts(self, adm: Admission) -> None:
+        """The admitted prompts are prefilled: their whole pages join the pool's prefix index."""
+        for row, keys in adm.keys.items():
+            self.pages.register(row, keys)
+
+    def _stage_prefilled(self, adm: Admission) -> None:
+        """Rows of a model with snapshot kinds after a prefill round: the prompt blocks written
+        so far go to the prefix store with a snapshot of the state after them. A row's state exists only at its
+        committed end, so this is where prompts get snapshots: one per round (every
+        prefill_chunk tokens of a long prompt, and the prompt's last full block), before the
+        first decode call commits past them."""
+        admitted = np.flatnonzero(adm.rows)
+        canvas = np.zeros((self.batch_size, max(len(adm.prompts[r]) for r in admitted)), np.int32)
+        for r in admitted:
+            canvas[r, : len(adm.prompts[r])] = adm.prompts[r]
+        self.offloader.after_commit(self.kv, np.where(adm.rows, adm.start, 0), canvas,
+                                    prefill=True)
+
+    def prefill_call(self, prompts: list[np.ndarray], full_len: np.ndarray, start: np.ndarray,
+                      call: PrefillCall) -> None:
+        """Writes the KV of prompt positions [start, start + T) of the call's rows."""
+        if call.row is None:  # every cache row in order; the call's rows store
+            rows, write = np.arange(self.batch_size), call.rows
+        else:
+            rows, write = np.array([call.row]), np.ones(1, bool)
+        tokens = np.full((len(rows), call.tokens), self.cfg.pad_token_id, np.int32)
+        for j, i in enumerate(rows):
+            if write[j]:
+                seg = prompts[i][start[i]: min(start[i] + call.tokens, full_len[i])]
+                tokens[j, : len(seg)] = seg
+        host = [tokens, start[rows].astype(np.int32), full_len[rows], write]
+        if call.row is not None:  # the row table: input row 0 is this cache row
+            host.append(rows.astype(np.int32))
+        self.runner.prefill(host)
+
+    def next_round(self, full_len: np.ndarray, start: np.ndarray, rows: np.ndarray
+                    ) -> tuple[list[PrefillCall], np.ndarray]:
+        return admission.next_round(full_len, start, rows, self._bucket, self.row_prefill_min)
+
+    def _bucket(self, tokens: int) -> int:
+        return admission.bucket(tokens, self.cfg.block_size, self.prefill_chunk)
+
+    def initial_state(self, prompts: list[np.ndarray], decodes: list[DecodeConfig],
+                      done: np.ndarray | None = None) -> DecodeState:
+        """The rows' fresh state on the device (`done`: rows that start free)."""
+        host = block_buffer.initial_state(prompts, self.capacity, self.cfg.block_size,
+                                          self.buffer_size, self.cfg.mask_token_id,
+                                          admission.row_params(self.cfg, prompts, decodes),
+                                          self.record,
+                                          put=np.asarray)
+        if done is not None:
+            host = host.replace(done=done)
+        return self.runner.put_rows(host)
+
+    def blank_rows(self) -> tuple[list[np.ndarray], list[DecodeConfig]]:
+        """Placeholder prompt and decode config of a free row."""
+        b = self.batch_size
+        return [np.array([self.cfg.pad_token_id], np.int32)] * b, [DecodeConfig()] * b
+
+    def empty_state(self) -> DecodeState:
+        """A state whose rows are all free (done)."""
+        return self.initial_state(*self.blank_rows(), done=np.ones(self.batch_size, bool))
+
+    # ---------------------------------------------------------------- decode and rows
+    def decode_call(self, state: DecodeState, max_steps: int | None = None) -> DecodeState:
+        """One call of the jitted loop: up to max_steps decode steps (default steps_per_call),
+        returning early when some row finishes (so a server can refill it). In debug mode a
+        broken Block Buffer invariant raises here."""
+        t = time.perf_counter()
+        if self.offloader is not None:
+            self.offloader.decode_issued()
+        running = np.flatnonzero(~self.views.done(state))
+        alone = int(running[0]) if len(running) == 1 and self.batch_size > 1 else None
+        state, steps = self.runner.decode(state, max_steps or self.steps_per_call, alone)
+        self._call_log.append((time.perf_counter() - t, steps))
+        self._decode_calls += 1
+        if self.offloader is not None:  # stage what this call committed; drain the last call's
+            host = self.views.view(state)
+            self.offloader.after_commit(self.kv, host.cached_len, host.canvas, host.done)
+        if self.debug:
+            violations = jax.device_get(state.violations)
+            if np.any(violations):
+                raise RuntimeError(f"Block Buffer invariant broken in rows "
+                                   f"{np.nonzero(violations)[0].tolist()} (debug mode)")
+        return state
+
+    def run_decode(self, state: DecodeState, max_calls: int | None = None) -> DecodeState:
+        """Decode calls until every row is done (or max_calls calls ran)."""
+        calls = 0
+        while not np.all(self.views.done(state)) and (max_calls is None or calls < max_calls):
+            state = self.decode_call(state)
+            calls += 1
+        return state
+
+    def cancel(self, state: DecodeState, rows: Sequence[int]) -> DecodeState:
+        """Frees rows (a client went away): they stop at the next step."""
+        done = self.views.done(state).copy()
+        done[list(rows)] = True
+        return state.replace(done=self.runner.put(done))
+
+    def release(self, rows: Sequence[int]) -> None:
+        """Gives back the KV pages of finished rows (their results were read): the pool is
+        what the running requests need. A released row's writes go nowhere until it is
+        admitted again."""
+        held = [int(row) for row in rows if self.pages.held[int(row)]]
+        for row in held:
+            self.pages.release(row)
+        if held:
+            self.runner.set_table(self.pages.table)
+
+    def buffers_intact(self, state: DecodeState | None) -> bool:
+        """Whether the KV pool and `state` still hold their device memory (a call that failed
+        after taking its donated buffers leaves them deleted)."""
+        return self.runner.buffers_intact(state)
+
+    def reset_buffers(self) -> None:
+        """A fresh, empty KV pool and page accounting (after a failure lost the old pool); every
+        row is free and no prefix page is cached (the old ones are gone with the buffer)."""
+        self.pages.clear(self.batch_size)
+        self.runner.reset(self.pages.table)
+        self.views.forget()
+        if self.offloader is not None:
+            for row in range(self.batch_size):
+                self.offloader.reset_row(row, 0)
+
+    # ---------------------------------------------------------------- reads
+    def host_view(self, state: DecodeState, logprobs: bool = False) -> DecodeState:
+        """`state` on the host (host_view.py), fetched once per decode call."""
+        return self.views.view(state, logprobs)
+
+    def done_rows(self, state: DecodeState) -> np.ndarray:
+        """state.done on the host ([B] bool), fetched once per state."""
+        return self.views.done(state)
+
+    def results(self, state: DecodeState, n: int, seconds: float,
+                decodes: Sequence[DecodeConfig] | None = None) -> list[GenerationResult]:
+        """Results of rows 0..n-1 of a finished state."""
+        host = self.runner.fetch_rows(state)
+        return [self.result_of(host, i, seconds, None if decodes is None else decodes[i])
+                for i in range(n)]
+
+    def output_ids(self, host: DecodeState, row: int, end: int | None = None) -> list[int]:
+        """Row's generated tokens from host arrays (results.output_ids)."""
+        return results.output_ids(self.cfg, host, row, end)
+
+    def result_of(self, host: DecodeState, i: int, seconds: float,
+                  decode: DecodeConfig | None = None) -> GenerationResult:
+        """The result of finished row i, from host arrays (results.result_of)."""
+        return results.result_of(self.cfg, self.tokenizer, host, i, seconds, decode)
+
+    def stats(self) -> EngineStats:
+        """One snapshot of the engine's counters and pool (metrics, benchmarks, tools)."""
+        pages = self.pages
+        return EngineStats(
+            rows=self.batch_size, kv_bytes=self.runner.nbytes(), page_size=pages.page,
+            pages=pages.num_pages,
+            pages_in_use=pages.in_use, pages_free=pages.free, pages_cached=pages.cached,
+            pool_hit_tokens=self.pool_hit_tokens, prefix_hit_tokens=self.prefix_hit_tokens,
+            prefill_seconds_per_token=self.prefill_seconds_per_token,
+            decode_calls=self._decode_calls, recent_calls=tuple(self._call_log),
+            store=None if self.prefix_store is None else dataclasses.replace(
+                self.prefix_store.stats),
+            offload=None if self.offloader is None else dataclasses.replace(
+                self.offloader.stats))
+
+    @property
+    def prefix_cache(self) -> bool:
+        """Whether prompts reuse blocks from a prefix store (and committed blocks go there)."""
+        return self.prefix is not None
+
+    def sync(self) -> None:
+        """Waits until the device has run every call made so far."""
+        self.runner.sync()
+
+    def flush(self) -> None:
+        """Persists every block staged for the prefix store now (waits for its disk writes)."""
+        if self.offloader is not None:
+            self.offloader.flush()
+
+    def close(self) -> None:
+        """Persists what is staged and stops the prefix store's threads (the engine's end)."""
+        if self.offloader is not None:
+            self.offloader.close()
+
+    def went_idle(self) -> None:
+        """No decode call follows for now: blocks staged for the prefix store go there now."""
+        if self.offloader is not None:
+            self.offloader.idle()
