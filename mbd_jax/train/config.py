@@ -10,7 +10,8 @@ from typing import Any, Literal
 
 import yaml
 
-from mbd_jax.config import REPO_ROOT, _check, from_dict, load_yaml
+from mbd_jax.config import REPO_ROOT, from_dict, load_yaml
+from mbd_jax.config.fields import _check
 from mbd_jax.errors import ConfigError
 from mbd_jax.train.tasks import FORMAT_WEIGHTS, TRAIN_TASKS
 
