@@ -18,19 +18,6 @@ from mbd_jax.parallel import multihost
 DEFAULT_MODEL = "tiny-mbd"  # trained on the task suite, shipped in models/
 
 
-def int_at_least(low: int):
-    """An argparse type: an integer >= low (a bad value is argparse's usage error, exit 2)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-    return parse
-
-
 def _default(field: str, owner: type | None = None) -> str:
     """"default X" for a help text, read from the dataclass that owns the setting (DecodeConfig
     unless told), so a default is written once."""

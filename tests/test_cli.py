@@ -185,8 +185,6 @@ def test_generate_chat_uses_the_model_directorys_own_template(tmp_path):
     ("table1.py", ["--limit", "0"], "argument --limit: must be >= 1, got 0"),
     ("tpf_by_length.py", ["--runs", "tiny-mbd:2", "--batch-size", "two"],
      "argument --batch-size: expected an integer, got 'two'"),
-    ("probe_recall.py", ["--models", "tiny-bd", "--limit", "0"],
-     "argument --limit: must be >= 1, got 0"),
 ])
 def test_eval_tools_refuse_bad_sizes_before_loading_a_model(tool, args, message):
     """The measuring tools name a bad size or threshold and exit 2, without a traceback (a bad

@@ -8,9 +8,7 @@ within each round; medians over the rounds. JSON lines on stdout, a table on std
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -22,6 +20,7 @@ from mbd_jax.config import DecodeConfig, resolve_auto
 from mbd_jax.engine import Engine
 from mbd_jax.evaluate import table1_decode
 from mbd_jax.train import tasks
+import harness  # tools/harness.py, beside this file
 
 
 def run(engine: Engine, prompts: list[np.ndarray], decode: DecodeConfig) -> dict:
@@ -40,18 +39,19 @@ def run(engine: Engine, prompts: list[np.ndarray], decode: DecodeConfig) -> dict
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--model", default="tiny-mbd")
-    ap.add_argument("--buffer-size", default="1,2")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--limit", type=int, default=20, help="held-out prompts per task")
+    ap.add_argument("--buffer-size", type=harness.int_list(1), default=[1, 2])
+    ap.add_argument("--rounds", type=harness.int_at_least(1), default=3)
+    ap.add_argument("--limit", type=harness.int_at_least(1), default=20,
+                    help="held-out prompts per task")
     ap.add_argument("--moe-impl", default="auto")
     args = ap.parse_args()
     m = load_model(args.model)
     cfg = dataclasses.replace(m.cfg, moe_impl=resolve_auto("moe_impl", args.moe_impl))
     prompts = [np.asarray(m.tokenizer.encode(ex.prompt), np.int32)
                for task in tasks.TASKS for ex in tasks.heldout(task, args.limit)]
-    sizes = [int(x) for x in args.buffer_size.split(",")]
+    sizes = args.buffer_size
     engines, decodes = {}, {}
     for n in sizes:
         engines[n] = Engine(cfg, m.params, batch_size=1, buffer_size=n, tokenizer=m.tokenizer,
@@ -70,16 +70,11 @@ def main() -> int:
         for key in runs[n][0]:
             row[key] = round(statistics.median(r[key] for r in runs[n]), 3)
         row["tokens_per_s_runs"] = [round(r["tokens_per_s"], 1) for r in runs[n]]
+        row["vs_first"] = round(row["tokens_per_s"] / rows[0]["tokens_per_s"], 3) if rows else 1.0
         rows.append(row)
-        print(json.dumps(row), flush=True)
-    base = rows[0]["tokens_per_s"]
-    print(f"{'N_buf':>5} {'wall ms/req':>11} {'decode ms':>9} {'other ms':>8} {'TPF':>5} "
-          f"{'tokens/s':>8} {'vs first':>8}", file=sys.stderr)
-    for r in rows:
-        print(f"{r['buffer_size']:>5} {r['wall_ms_per_request']:>11.2f} "
-              f"{r['decode_ms_per_request']:>9.2f} {r['other_ms_per_request']:>8.2f} "
-              f"{r['tpf']:>5.2f} {r['tokens_per_s']:>8.1f} {r['tokens_per_s'] / base:>7.2f}x",
-              file=sys.stderr)
+    harness.report(rows, {"buffer_size": "N_buf", "wall_ms_per_request": "wall ms/req",
+                          "decode_ms_per_request": "decode ms", "other_ms_per_request": "other ms",
+                          "tpf": "TPF", "tokens_per_s": "tokens/s", "vs_first": "vs first"})
     return 0
 
 

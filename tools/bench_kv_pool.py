@@ -16,15 +16,14 @@ JSON object and a table.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import os
 import sys
+import harness  # tools/harness.py, beside this file
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--model", default="tiny-random", help="a preset (random weights)")
     ap.add_argument("--max-seq-len", type=int, default=32768)
     ap.add_argument("--rows", type=int, default=8)
@@ -33,7 +32,6 @@ def main() -> int:
     ap.add_argument("--shared-prompt-length", type=int, default=4096)
     ap.add_argument("--shared-rows", type=int, default=32)
     args = ap.parse_args()
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     import numpy as np
 
     from mbd_jax.config import DecodeConfig, load_model_config, resolve_model_path

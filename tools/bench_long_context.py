@@ -20,17 +20,17 @@ answer. Prints one JSON object per row and a table (docs/performance.md).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import statistics
 import sys
 import time
+import harness  # tools/harness.py, beside this file
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--model", default="tiny-random", help="a preset")
     ap.add_argument("--contexts", default="4096,32768", help="comma-separated prompt lengths")
     ap.add_argument("--variants", default="1:256:256,8:256:256",
@@ -40,7 +40,6 @@ def main() -> int:
     ap.add_argument("--service", type=int, metavar="CHUNK",
                     help="also time each context through mbd-jax serve at this attention chunk")
     args = ap.parse_args()
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     import numpy as np
 
     from mbd_jax.bench import matmul_gflops, step_flops

@@ -9,10 +9,10 @@ JSON object per line and a table (docs/performance.md).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
+import harness  # tools/harness.py, beside this file
 
 
 def default_meshes(n: int) -> list[str]:
@@ -27,7 +27,7 @@ def default_meshes(n: int) -> list[str]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--model", default="moe-100m")
     ap.add_argument("--random-weights", action="store_true", help="for shape-only presets")
     ap.add_argument("--meshes", help="';'-separated mesh specs ('one' = one device); "
@@ -46,7 +46,6 @@ def main() -> int:
         os.environ["JAX_PLATFORMS"] = "cpu"
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={args.force_cpu_devices}")
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     import jax
 
     from mbd_jax.bench import bench_decode

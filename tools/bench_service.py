@@ -14,7 +14,6 @@ prompts would otherwise be served from the cache on the side that runs second. P
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import pathlib
@@ -23,10 +22,9 @@ import sys
 import time
 
 import httpx
+import harness  # tools/harness.py, beside this file
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
 
 PROMPTS = ["Sort: 41 7 93 12 5", "Write a short story about a lighthouse keeper.",
            "List three prime numbers and explain why they are prime.", "Sort: 3 88 21",
@@ -62,7 +60,7 @@ def main() -> int:
     from mbd_jax.config import load_serve_config
     from mbd_jax.serving.server import build_engine
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--config", type=pathlib.Path, default=ROOT / "configs" / "serve.yaml")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)

@@ -20,7 +20,6 @@ token for token up to each row's EOS. Prints JSON (stdout) and a table (stderr).
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import statistics
@@ -32,9 +31,9 @@ import typing
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from mbd_jax.config import MoeImpl  # noqa: E402  (after the path)
+import harness  # tools/harness.py, beside this file
 
 VOCAB, BLOCK = 4000, 4
 MASK_ID, EOS_ID = VOCAB - 1, VOCAB - 2
@@ -162,7 +161,7 @@ def run_kind(kind: str, batches: list[int], args, tmp: pathlib.Path) -> list[dic
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--kinds", default="moe,dense")
     ap.add_argument("--batch", default="1,16")
     ap.add_argument("--new-tokens", type=int, default=64)

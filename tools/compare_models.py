@@ -14,32 +14,30 @@ settings are runtime arguments: one engine per model and buffer size serves them
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import pathlib
 import sys
+import harness  # tools/harness.py, beside this file
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def main() -> None:
     from mbd_jax.checkpoint import load_model
-    from mbd_jax.cli import int_at_least
     from mbd_jax.engine import Engine
     from mbd_jax.errors import UserError
     from mbd_jax.evaluate import evaluate_tasks, pool, table1_decode, task_names
     from mbd_jax.train import tasks
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--models", required=True, help="comma-separated models (names or directories)")
     ap.add_argument("--buffer-size", default="1,2", help="comma-separated N_buf values")
     ap.add_argument("--formats", default="chat", help=f"comma-separated: {', '.join(tasks.FORMATS)}")
     ap.add_argument("--limit", type=int, default=20, help="held-out prompts per task")
     ap.add_argument("--tasks", default="all",
                     help=f"{tasks.EVAL_TASKS_HELP} (default: all)")
-    ap.add_argument("--batch-size", type=int_at_least(1), default=16)
+    ap.add_argument("--batch-size", type=harness.int_at_least(1), default=16)
     for flag in ("threshold", "semi-complete-threshold", "add-block-threshold"):
         ap.add_argument(f"--{flag}", help="comma-separated values (default: table1_decode's)")
     args = ap.parse_args()

@@ -14,7 +14,6 @@ XLA's default precision (TF32 on Hopper) unless JAX_DEFAULT_MATMUL_PRECISION=hig
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -26,6 +25,7 @@ from mbd_jax.checkpoint import load_model
 from mbd_jax.engine import Engine
 from mbd_jax.evaluate import table1_decode
 from mbd_jax.train import tasks
+import harness  # tools/harness.py, beside this file
 
 # (name, model, random weights, N_buf, block activation)
 CASES = [
@@ -87,7 +87,7 @@ def compare(ref: dict, got: dict) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--out", help="write the run's JSON here")
     ap.add_argument("--compare", help="a saved run to compare token ids with")
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")

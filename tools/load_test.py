@@ -12,7 +12,6 @@ max_tokens uniform in 16..64. Every level counts non-200 answers and in-band err
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -131,7 +130,9 @@ def start_server(config: pathlib.Path, overrides: list[str], keys: str = "") -> 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    import harness  # tools/harness.py, beside this file (tests load this module alone)
+
+    ap = harness.parser(__doc__)
     ap.add_argument("--url")
     ap.add_argument("--admin-url")
     ap.add_argument("--api-key")

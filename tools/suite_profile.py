@@ -13,7 +13,6 @@ compiled almost nothing but ran for seconds did its work through them.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import json
@@ -80,7 +79,9 @@ def summarize(rows_by_worker: dict[str, list[dict]]) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    import harness  # tools/harness.py, beside this file (the plugin half needs nothing of it)
+
+    ap = harness.parser(__doc__)
     ap.add_argument("dir", nargs="?", default=DIR)
     ap.add_argument("--top", type=int, default=20, help="the slowest tests listed")
     args = ap.parse_args()

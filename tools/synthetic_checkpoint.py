@@ -6,16 +6,16 @@ safetensors + index) for conversion benchmarks.
 Default shape: ~0.94B parameters (hidden 2048, 16 layers, 16/8 heads x 128, MLP 6144, vocab 32000).
 """
 
-import argparse
 import json
 import pathlib
 
 import torch
 from safetensors.torch import save_file
+import harness  # tools/harness.py, beside this file
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--out", required=True)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=16)

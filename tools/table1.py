@@ -23,13 +23,12 @@ before it ships). Prints JSON (stdout) and tables (stderr).
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import sys
+import harness  # tools/harness.py, beside this file
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 MULTI = 0  # in ROWS: the MultiBD buffer (--buffer-size)
 ROWS = [  # (label, which model, N_buf, decode settings beyond the threshold policy's, format)
@@ -62,24 +61,23 @@ def trained_g_max(model) -> int | None:
 
 def main() -> None:
     from mbd_jax.checkpoint import load_model
-    from mbd_jax.cli import int_at_least
     from mbd_jax.engine import Engine
     from mbd_jax.errors import UserError
     from mbd_jax.evaluate import evaluate_tasks, pool, table1_decode, task_names
     from mbd_jax.train import tasks
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--limit", type=int_at_least(1), default=50, help="held-out prompts per task")
+    ap = harness.parser(__doc__)
+    ap.add_argument("--limit", type=harness.int_at_least(1), default=50, help="held-out prompts per task")
     ap.add_argument("--thresholds", default="0.5,0.7,0.8,0.9,0.95,0.99")
     ap.add_argument("--main-threshold", type=float, default=0.95)
     ap.add_argument("--add-block-threshold", type=float, help="default: evaluate.table1_decode's")
     ap.add_argument("--semi-complete-threshold", type=float, help="default: table1_decode's")
     ap.add_argument("--max-new-tokens", type=int, help="default: table1_decode's")
-    ap.add_argument("--batch-size", type=int_at_least(1), default=16)
+    ap.add_argument("--batch-size", type=harness.int_at_least(1), default=16)
     ap.add_argument("--tasks", default="all", help=f"{tasks.EVAL_TASKS_HELP} (default: all)")
     ap.add_argument("--bd", default="tiny-bd", help="the block-diffusion (SingleBD) model")
     ap.add_argument("--mbd", default="tiny-mbd", help="the MultiTF post-trained model")
-    ap.add_argument("--buffer-size", type=int_at_least(2),
+    ap.add_argument("--buffer-size", type=harness.int_at_least(2),
                     help="N_buf of the MultiBD rows (default: the --mbd model's trained G_max)")
     ap.add_argument("--plot", help="write the accuracy-vs-TPF plot here (PNG)")
     ap.add_argument("--plot-from", metavar="RUN.json",

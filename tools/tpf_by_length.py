@@ -10,14 +10,13 @@ on stderr.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import pathlib
 import sys
+import harness  # tools/harness.py, beside this file
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def parse_run(run: str):
@@ -36,19 +35,18 @@ def parse_run(run: str):
 
 def main() -> None:
     from mbd_jax.checkpoint import load_model
-    from mbd_jax.cli import int_at_least
     from mbd_jax.engine import Engine
     from mbd_jax.errors import UserError
     from mbd_jax.evaluate import task_names
     from mbd_jax.train import tasks
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--runs", required=True,
                     help="comma-separated MODEL:N_BUF or MODEL:N_BUF:ACTIVATION (progress, eager)")
     ap.add_argument("--tasks", default="sort,sortrev,reverse",
                     help=tasks.EVAL_TASKS_HELP)
     ap.add_argument("--limit", type=int, default=60, help="held-out prompts per task")
-    ap.add_argument("--batch-size", type=int_at_least(1), default=16)
+    ap.add_argument("--batch-size", type=harness.int_at_least(1), default=16)
     args = ap.parse_args()
     try:
         names = task_names(args.tasks, args.limit, where="--tasks")

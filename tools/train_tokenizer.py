@@ -9,19 +9,19 @@ data/corpus.txt, so the trained models' tokenizer still encodes any text (byte f
 Ids: 0 <pad>, 1 <unk>, 2 </s> (EOS), 3 <s>, 4 <|mask|>, then the chat markers.
 """
 
-import argparse
 import pathlib
 
 import tempfile
 
 import sentencepiece as spm
+import harness  # tools/harness.py, beside this file
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SPECIALS = ["<|mask|>", "<|user|>", "<|assistant|>", "<|system|>", "<think>", "</think>"]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--corpus", default=str(ROOT / "data" / "corpus.txt"))
     ap.add_argument("--out", default=str(ROOT / "configs" / "tokenizers" / "tiny"))
     ap.add_argument("--vocab", type=int, default=512)

@@ -46,7 +46,7 @@ def _pad_blocks(block: int, q, k, v, g, beta):
 def _chunk(chunk_size: int, block: int, tokens: int) -> int:
     """Tokens per step of the chunked rule over `tokens` (whole blocks). On CPU one block: the
     chunked form trades FLOPs for fewer sequential steps, which a 2-core CPU does not need
-    (tools/bench_delta_rule.py: a 256-token prefill at the 35B-A3B head shape, 8 rows, 0.71 s at
+    (docs/lab/probes/bench_delta_rule.py: a 256-token prefill at the 35B-A3B head shape, 8 rows, 0.71 s at
     chunks of 8 against 1.00 s at 64). Elsewhere the configured chunk, or all the tokens when fewer (a decode window of one or
     two blocks is not padded to a chunk of 64)."""
     if jax.default_backend() == "cpu":

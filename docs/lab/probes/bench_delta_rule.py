@@ -1,7 +1,7 @@
 """The delta rule's block outputs (model/delta_rule.block_outputs) at one chunk size against
 another: what `gated_deltanet._chunk` chooses between (one block per chunk on CPU).
 
-    python tools/bench_delta_rule.py [--rows 8] [--tokens 256] [--block 8] [--chunks 8,64]
+    python docs/lab/probes/bench_delta_rule.py [--rows 8] [--tokens 256] [--block 8] [--chunks 8,64]
                                      [--heads 16,32] [--dims 128,128] [--repeats 7]
 
 Shapes default to a 256-token prefill of the 35B-A3B preset's linear heads (16 key heads, 32
@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 

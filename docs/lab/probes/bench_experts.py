@@ -1,6 +1,6 @@
 """The looped expert path alone, stacked against per-expert weights, and against another revision.
 
-    python tools/bench_experts.py [--tokens 4,64,256] [--experts 16] [--hidden 384] [--width 256]
+    python docs/lab/probes/bench_experts.py [--tokens 4,64,256] [--experts 16] [--hidden 384] [--width 256]
                                   [--topk 4] [--rounds 7] [--calls 20] [--against REV]
 
 Times `moe.experts_looped` jitted on random float32 weights and a random top-k routing, one
@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 

@@ -4,7 +4,7 @@ engine of the same model and shapes (its programs shared), and a third after `pr
 (every program traced and lowered again, XLA's compile read back from the persistent cache: what
 each new engine cost before the programs were shared).
 
-    python tools/bench_rebuild.py [--model tiny-random] [--batch 8] [--buffer-size 2] [--moe-impl measure]
+    python docs/lab/probes/bench_rebuild.py [--model tiny-random] [--batch 8] [--buffer-size 2] [--moe-impl measure]
 
 Prints one JSON object (stdout) and a table (stderr).
 """

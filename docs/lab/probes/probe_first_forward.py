@@ -1,6 +1,6 @@
 """What a model predicts in the first denoising forward: the prompt, then masks.
 
-    python tools/probe_first_forward.py [--model tiny-bd] [--tasks reverse,sort,arith]
+    python docs/lab/probes/probe_first_forward.py [--model tiny-bd] [--tasks reverse,sort,arith]
                                         [--formats raw,chat] [--limit 5] [--positions 6]
 
 For each of the first `limit` held-out questions of each task and format, one block-causal
@@ -20,7 +20,7 @@ import pathlib
 import statistics
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 

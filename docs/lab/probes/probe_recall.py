@@ -1,6 +1,6 @@
 """Does a model look values up? Recall's value tokens predicted with the answer teacher-forced.
 
-    python tools/probe_recall.py --models tiny-bd,runs/x-model [--limit 200]
+    python docs/lab/probes/probe_recall.py --models tiny-bd,runs/x-model [--limit 200]
 
 For each held-out recall question (chat format) one block-causal forward over prompt + answer +
 EOS (padded to whole blocks) predicts the answer's value digits in two views: `values_masked`
@@ -24,7 +24,7 @@ import pathlib
 import re
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 

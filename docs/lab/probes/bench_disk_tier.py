@@ -1,6 +1,6 @@
 """Disk-tier cost as the store grows: what a block write costs at 100 / 10,000 / 100,000 entries.
 
-    python tools/bench_disk_tier.py [--entries 100,10000,100000] [--writes 500] [--entry-kb 1]
+    python docs/lab/probes/bench_disk_tier.py [--entries 100,10000,100000] [--writes 500] [--entry-kb 1]
 
 For each size N a fresh store is filled to exactly N entries (its byte cap), then `--writes`
 more blocks are put, each one evicting the oldest. Reported per size (medians):
@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 

@@ -1,8 +1,8 @@
 """Where a decode run's time goes, per XLA operation, and how fast XLA:CPU's matmuls run.
 
-    python tools/profile_ops.py [--model DIR | --vs-torch] [--batch 1] [--moe-impl looped]
+    python docs/lab/probes/profile_ops.py [--model DIR | --vs-torch] [--batch 1] [--moe-impl looped]
                                 [--split-experts auto|off] [--top 15]
-    python tools/profile_ops.py --matmuls [--repeats 100]
+    python docs/lab/probes/profile_ops.py --matmuls [--repeats 100]
 
 The first form warms an engine up, runs one `Engine.generate` (SingleBD, one token per step, EOS
 ignored), then traces a second with `jax.profiler` and sums each operation's self time (its own
@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 MATMULS = [((16, 384), (384, 256)), ((64, 384), (384, 256)), ((64, 4096), (4096, 384)),

@@ -1,7 +1,7 @@
 """How wide MultiBD's decode forwards are: steps by `slots_in_use` (the most valid slots of any
 live row, the blocks a step forwards: decoding/loop.py) on the held-out task prompts.
 
-    python docs/lab/window_widths.py [--model tiny-mbd] [--buffer-size 3] [--batch-size 1 16]
+    python docs/lab/probes/window_widths.py [--model tiny-mbd] [--buffer-size 3] [--batch-size 1 16]
                                   [--limit 10]
 
 The prompts go in batches of --batch-size rows admitted together, each batch stepped to its end

@@ -4,7 +4,7 @@ Each (depth, layer loop) runs `mbd-jax bench decode` in a fresh process on a ran
 a preset with `num_layers` changed, so every compile is cold; the engine's compile seconds
 (every program warm-up builds) and its decode step are read from the bench's JSON.
 
-    python tools/bench_compile.py --model moe-100m --layers 8,48 --loops unrolled,scan
+    python docs/lab/probes/bench_compile.py --model moe-100m --layers 8,48 --loops unrolled,scan
 
 Prints one JSON object (stdout) and a table (stderr).
 """
@@ -20,7 +20,7 @@ import tempfile
 
 import yaml
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 from mbd_jax.config import resolve_model_path  # noqa: E402

@@ -1,7 +1,7 @@
 """Prefill of a full batch admitted at once: one call per row against one call shared by every
 row, per prompt length (what sets engine.ROW_PREFILL_MIN).
 
-    python tools/bench_prefill_rows.py --model tiny-random --prompt-lens 16,48,128
+    python docs/lab/probes/bench_prefill_rows.py --model tiny-random --prompt-lens 16,48,128
 
 An engine of --rows rows (prefill chunk 128) admits --rows prompts of each length together; the
 timed part is the admission's prefill calls, once with every chunk run per row
@@ -27,7 +27,7 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", ".."))
     import jax
     import numpy as np
 

@@ -1,7 +1,7 @@
 """Prefix-cache benchmark: time to first block with a shared long prefix (hit vs miss), and decode
 tokens/s with KV persistence on vs off, in one process on the same prompts.
 
-    python tools/bench_cache.py [--model moe-100m] [--prefix-len 1024] [--repeats 5]
+    python docs/lab/probes/bench_cache.py [--model moe-100m] [--prefix-len 1024] [--repeats 5]
                                 [--batch 8] [--new-tokens 96]
 
 Time to first block: admit the request (prefill, or copy the cached blocks then prefill the rest)
@@ -25,7 +25,7 @@ import time
 import jax
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 

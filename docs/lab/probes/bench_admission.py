@@ -2,7 +2,7 @@
 fresh state on the device), prefill, the merge, decoding, results. JSON on stdout, a table on
 stderr; medians over --repeats requests, per buffer size.
 
-    python tools/bench_admission.py [--model tiny-mbd] [--repeats 30] [--buffer-size 1,2]
+    python docs/lab/probes/bench_admission.py [--model tiny-mbd] [--repeats 30] [--buffer-size 1,2]
 """
 
 from __future__ import annotations
