@@ -372,11 +372,16 @@ def add_convert_args(c: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mbd_jax.config import ServerConfig
-
     ap = argparse.ArgumentParser(prog="mbd-jax", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
+    for add in (_generate_command, _serve_command, _convert_and_verify_commands, _train_command,
+                _eval_command, _bench_command):
+        add(sub)
+    return ap
 
+
+def _generate_command(sub) -> None:
+    """`mbd-jax generate`: prompts in, completions out."""
     g = sub.add_parser("generate", help="generate text for one or more prompts")
     g.add_argument("--model", default=DEFAULT_MODEL, help="preset name, YAML file or model dir")
     g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
@@ -394,6 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
     multihost.add_launch_flags(g)
     g.set_defaults(func=cmd_generate)
 
+
+def _serve_command(sub) -> None:
+    """`mbd-jax serve`: the HTTP service."""
     s = sub.add_parser("serve", help="the HTTP service (OpenAI-compatible; admin port for metrics)",
                        epilog="Every serve config field can also be set in the environment: "
                               "MBD_<SECTION>_<FIELD>, e.g. MBD_SERVER_PORT=8001 (the command line "
@@ -417,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
     multihost.add_launch_flags(s)
     s.set_defaults(func=cmd_serve)
 
+
+def _convert_and_verify_commands(sub) -> None:
+    """`mbd-jax convert` (a Hugging Face checkpoint to a model directory) and `verify`."""
     c = sub.add_parser("convert", help="convert a Hugging Face / PyTorch checkpoint")
     add_convert_args(c)
     c.set_defaults(func=cmd_convert)
@@ -427,6 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--json", action="store_true", help="one JSON object")
     v.set_defaults(func=cmd_verify)
 
+
+def _train_command(sub) -> None:
+    """`mbd-jax train`: block diffusion or MultiTF training from a config."""
     t = sub.add_parser("train", help="train or post-train a model (block diffusion / MultiTF)")
     t.add_argument("--config", required=True, help="a training config, e.g. configs/train/tiny-bd.yaml")
     t.add_argument("--steps", type=int, help="override the config's steps")
@@ -441,6 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
     multihost.add_launch_flags(t)
     t.set_defaults(func=cmd_train)
 
+
+def _eval_command(sub) -> None:
+    """`mbd-jax eval`: accuracy, TPF and tokens/s on held-out task splits."""
     e = sub.add_parser("eval", help="exact-match accuracy, TPF and tokens/s on a held-out task split")
     e.add_argument("--model", default=DEFAULT_MODEL, help="preset name, YAML file or model dir")
     from mbd_jax.train import tasks
@@ -459,6 +476,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compile_cache_flag(e)
     multihost.add_launch_flags(e)
     e.set_defaults(func=cmd_eval)
+
+
+def _bench_command(sub) -> None:
+    """`mbd-jax bench decode`: decode throughput per buffer size."""
+    from mbd_jax.config import ServerConfig
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
@@ -482,7 +504,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compile_cache_flag(d, default="off")
     multihost.add_launch_flags(d)
     d.set_defaults(func=cmd_bench_decode)
-    return ap
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -472,10 +472,28 @@ def convert(src: str | pathlib.Path, dst: str | pathlib.Path, *, family: str = "
             progress: bool = True) -> dict[str, Any]:
     """Converts a Hugging Face checkpoint directory; returns the manifest. `dtype` is the
     parameters' and the compute dtype (change compute_dtype at load with --compute-dtype)."""
+    import jax
     import ml_dtypes
-    from tqdm import tqdm
 
     src, dst = pathlib.Path(src), pathlib.Path(dst)
+    family, cfg = _source_config(src, family, dtype, mask_token_id, block_size, block_mode)
+    source = TensorSource(src)
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    t0 = time.perf_counter()
+    params = _read_params(source, cfg, family, np_dtype, progress)
+    read_s = time.perf_counter() - t0
+    cfg = _write_beside(src, dst, cfg)
+    _to_device_in_place(params)  # orbax would otherwise copy every numpy leaf at once
+    save_model(dst, cfg, params, canonical=True)
+    return write_manifest(dst, {
+        "converter_version": CONVERTER_VERSION, "source": str(src.resolve()), "family": family,
+        "dtype": dtype, "parameters": int(sum(a.size for a in jax.tree.leaves(params))),
+        "seconds_reading": round(read_s, 3), "source_bytes": source.nbytes()})
+
+
+def _source_config(src: pathlib.Path, family: str, dtype: str, mask_token_id: int | None,
+                   block_size: int | None, block_mode: str | None) -> tuple[str, ModelConfig]:
+    """(the family, the model config) a checkpoint's config.json gives."""
     if not (src / "config.json").is_file():
         raise UserError(f"--src {src}: no config.json")
     hf = json.loads((src / "config.json").read_text())
@@ -490,25 +508,28 @@ def convert(src: str | pathlib.Path, dst: str | pathlib.Path, *, family: str = "
         cfg.validate("converted config")
     except ConfigError as e:
         raise UserError(f"config.json does not give a valid model: {e}") from None
-    source = TensorSource(src)
-    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    return family, cfg
 
-    # Preallocate every parameter (shapes from the model definition), then fill tensor by tensor.
+
+def _read_params(source: TensorSource, cfg: ModelConfig, family: str, np_dtype: np.dtype,
+                 progress: bool) -> dict:
+    """Every parameter of `cfg` (canonical layout, host arrays of `np_dtype`), preallocated from
+    the model definition and filled tensor by tensor; a tensor of the wrong shape, a parameter
+    no tensor fills and a tensor no parameter takes are each a UserError."""
     import jax
+    from tqdm import tqdm
 
     from mbd_jax.model import layout
     from mbd_jax.model.transformer import param_shapes
 
-    shapes = param_shapes(layout.canonical(cfg))
-    params = jax.tree.map(lambda s: np.empty(s.shape, np_dtype), shapes)
+    params = jax.tree.map(lambda s: np.empty(s.shape, np_dtype),
+                          param_shapes(layout.canonical(cfg)))
     seen = {k: False for k in _paths(params)}
-    plan = list(_plan(cfg, family, set(source.names)))
     used = set()
-    t0 = time.perf_counter()
     total = sum(a.nbytes for a in jax.tree.leaves(params))  # bytes written, in the target dtype
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress)
     last_name, last = None, None
-    for hf_name, path, fn in plan:
+    for hf_name, path, fn in _plan(cfg, family, set(source.names)):
         if hf_name != last_name:  # the fused qkv is read once for q, k and v
             last_name, last = hf_name, source.get(hf_name)
             used.add(hf_name)
@@ -526,10 +547,9 @@ def convert(src: str | pathlib.Path, dst: str | pathlib.Path, *, family: str = "
         bar.update(value.size * np_dtype.itemsize)
         if index is None:
             target[...] = value
-            seen[target_path] = True
         else:
             target[index] = value
-            seen[target_path] = True
+        seen[target_path] = True
     bar.close()
     missing = [k for k, v in seen.items() if not v]
     if missing:
@@ -542,8 +562,12 @@ def convert(src: str | pathlib.Path, dst: str | pathlib.Path, *, family: str = "
     if unused:
         raise UserError(f"checkpoint tensor '{unused[0]}' (and {len(unused) - 1} more) is not used "
                         f"by family {family}: wrong --family?")
-    read_s = time.perf_counter() - t0
+    return params
 
+
+def _write_beside(src: pathlib.Path, dst: pathlib.Path, cfg: ModelConfig) -> ModelConfig:
+    """Copies the tokenizer files and writes the sampling defaults into `dst`; returns `cfg`
+    naming the tokenizer it found."""
     dst.mkdir(parents=True, exist_ok=True)
     tokenizer_name = None
     for name in TOKENIZER_FILES:
@@ -551,19 +575,13 @@ def convert(src: str | pathlib.Path, dst: str | pathlib.Path, *, family: str = "
             shutil.copy2(src / name, dst / name)
             if name == "tokenizer.json":
                 tokenizer_name = name
-    cfg = dataclasses.replace(cfg, tokenizer=tokenizer_name)
     settings = generation_settings_from_hf(src)
     if settings:
         (dst / GENERATION_FILE).write_text(
             "# Sampling defaults from the source's generation_config.json (mbd-jax convert);\n"
             "# settings, outside manifest.json's checksums: tune them here.\n"
             + yaml.safe_dump(settings, sort_keys=False))
-    _to_device_in_place(params)  # orbax would otherwise copy every numpy leaf at once
-    save_model(dst, cfg, params, canonical=True)
-    return write_manifest(dst, {
-        "converter_version": CONVERTER_VERSION, "source": str(src.resolve()), "family": family,
-        "dtype": dtype, "parameters": int(sum(a.size for a in jax.tree.leaves(params))),
-        "seconds_reading": round(read_s, 3), "source_bytes": source.nbytes()})
+    return dataclasses.replace(cfg, tokenizer=tokenizer_name)
 
 
 def _paths(tree: dict, prefix: tuple = ()) -> Iterator[tuple]:

@@ -1,4 +1,5 @@
-"""The package's shape: no import cycle, and nothing outside the engine reaches into its parts.
+"""The package's shape: no import cycle, nothing outside the engine reaches into its parts, short
+functions.
 
 Both read the source with `ast` (every import, function-local and type-only ones included), so
 they hold for code paths no other test runs.
@@ -141,3 +142,37 @@ def test_the_seam_check_sees_a_reach():
               "    return engine._call_log, engine.stats().pages_free\n")
     assert reaches_into_engine(source, "probe.py") == [
         "probe.py:2: self.engine.pages", "probe.py:3: engine._call_log"]
+
+
+# The decoding state machine, one jitted update over the whole Block Buffer (the model's math,
+# like everything under mbd_jax/model/, may be as long as its formulas).
+MATH = {("mbd_jax/decoding/block_buffer.py", "advance")}
+MAX_FUNCTION_LINES = 80
+MAX_MODULE_LINES = {"mbd_jax/engine/core.py": 300, "mbd_jax/serving/scheduler.py": 300}
+
+
+def long_functions(source: str, where: str, limit: int) -> list[str]:
+    return [f"{where}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)"
+            for n in ast.walk(ast.parse(source))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.end_lineno - n.lineno + 1 > limit and (where, n.name) not in MATH]
+
+
+def test_functions_and_the_step_stay_short():
+    """No function over 80 lines outside the model's math; the engine step and the scheduler
+    each under 300 lines."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = str(path.relative_to(ROOT))
+        if not where.startswith("mbd_jax/model/"):
+            found += long_functions(path.read_text(), where, MAX_FUNCTION_LINES)
+    assert not found, found
+    for where, limit in MAX_MODULE_LINES.items():
+        assert len((ROOT / where).read_text().splitlines()) < limit, where
+
+
+def test_the_length_check_sees_a_long_function():
+    body = "\n".join(f"    x{i} = {i}" for i in range(81))
+    assert long_functions(f"def f():\n{body}\n", "m.py", MAX_FUNCTION_LINES) == ["m.py:1 f (82 lines)"]
+    assert long_functions(f"def advance():\n{body}\n", "mbd_jax/decoding/block_buffer.py",
+                          MAX_FUNCTION_LINES) == []

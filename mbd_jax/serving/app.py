@@ -1,8 +1,9 @@
-"""The HTTP layer (Starlette): OpenAI-compatible routes, /generate, health, and the admin app.
+"""The HTTP side of the service: `Service` (authorization, rate limits, body and field
+validation, decoding settings, the hand-off to the Scheduler and the wait for results) and the
+error shape; the routes over it are routes.py.
 
-HTTP only: requests are validated here and handed to the Scheduler; nothing here touches a device
-or blocks the event loop. Every client mistake is a 4xx with a JSON body
-{"error": {"message", "type", "param"}} that names the field.
+HTTP only: nothing here touches a device or blocks the event loop. Every client mistake is a 4xx
+with a JSON body {"error": {"message", "type", "param"}} that names the field.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import json
 import logging
 import pathlib
 import re
@@ -20,12 +20,8 @@ import time
 import uuid
 from typing import Any
 
-import jax
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.responses import JSONResponse
 
 from mbd_jax import chat
 from mbd_jax.config import DecodeConfig, ServeConfig, from_dict
@@ -33,7 +29,6 @@ from mbd_jax.errors import UserError
 from mbd_jax.stop_strings import StopStrings
 from mbd_jax.serving import protocol
 from mbd_jax.serving.body import BodyError, parse_object
-from mbd_jax.serving.openai_response import Choices, voting_info
 from mbd_jax.serving.request import Request
 from mbd_jax.serving.scheduler import Draining, EngineDown, QueueFull, Scheduler
 
@@ -371,258 +366,3 @@ def request_id(request: HTTPRequest) -> str:
     bytes or unbounded text into headers and logs)."""
     given = request.headers.get("x-request-id", "")
     return given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex[:16]
-
-
-def build_apps(svc: Service, admin_port: bool = True) -> tuple[Starlette, Starlette]:
-    """(data app, admin app). Without an admin port, /metrics is served on the data app too."""
-
-    def route(path: str, methods: list[str], name: str):
-        def wrap(handler):
-            async def endpoint(request: HTTPRequest) -> Response:
-                t0 = time.perf_counter()
-                rid = request.state.rid = request_id(request)
-                try:
-                    response = await handler(request)
-                except HTTPError as e:
-                    response = error_response(e)
-                except ClientGone:  # nobody to answer; 499 is what the log and metrics say
-                    response = Response(status_code=499)
-                except Exception:  # a bug, not the client's fault: log it, say 500 without details
-                    log.exception("request %s on %s failed", rid, path)
-                    response = error_response(HTTPError(500, "internal error; see the server log",
-                                                        kind="server_error"))
-                response.headers["x-request-id"] = rid
-                svc.metrics.requests.labels(name, str(response.status_code)).inc()
-                log.info("request %s %s %s status=%d bytes_in=%s ms=%.1f", rid, request.method,
-                         path, response.status_code, request.headers.get("content-length", "-"),
-                         (time.perf_counter() - t0) * 1e3)
-                return response
-            return Route(path, endpoint, methods=methods, name=name)
-        return wrap
-
-    async def guarded(request: HTTPRequest) -> dict:
-        caller = svc.authorize(request)
-        svc.available()  # a request refused while loading spends no rate-limit token
-        svc.limit_rate(caller)
-        return await svc.read_json(request)
-
-    @route("/v1/completions", ["POST"], "completions")
-    async def completions(request):
-        req = svc.parse(protocol.CompletionRequest, await guarded(request), request)
-        texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-        prompts = [svc.encode(p, "prompt" if len(texts) == 1 else f"prompt[{i}]")
-                   for i, p in enumerate(texts)]
-        return await respond(request, req, prompts, chat_format=False)
-
-    @route("/v1/chat/completions", ["POST"], "chat_completions")
-    async def chat_completions(request):
-        req = svc.parse(protocol.ChatCompletionRequest, await guarded(request), request)
-        messages = [{"role": m.role, "content": m.content} for m in req.messages]
-        extra = req.chat_template_kwargs.model_extra if req.chat_template_kwargs else {}
-        try:
-            text = svc.template.render(messages, svc.thinking(req), **(extra or {}))
-        except UserError as e:
-            raise HTTPError(400, str(e), param="messages") from None
-        return await respond(request, req, [svc.encode(text, "messages")], chat_format=True)
-
-    async def respond(request, req, prompts: list[list[int]], chat_format: bool) -> Response:
-        """Runs req.n choices per prompt (choice index = prompt * n + j) and answers in the
-        OpenAI shape (openai_response.Choices), streamed or not."""
-        thinking, n = svc.thinking(req), req.n
-        if len(prompts) * n > svc.cfg.server.max_segments:  # n == 1: the prompt list is too long
-            raise HTTPError(400, f"{len(prompts)} prompts x n={n} is {len(prompts) * n} choices; "
-                                 f"the limit is {svc.cfg.server.max_segments}",
-                            param="n" if n > 1 else "prompt")
-        decodes, budget = svc.decode_configs(req, thinking, len(prompts) * n, "max_tokens")
-        if budget is not None:  # an explicit token budget must fit beside every prompt
-            for i, ids in enumerate(prompts):
-                svc.check_room(ids, decodes[0], "messages" if chat_format else
-                               ("prompt" if len(prompts) == 1 else f"prompt[{i}]"), budget)
-        prompt_of = [i // n for i in range(len(prompts) * n)]
-        with_logprobs = protocol.wants_logprobs(req)
-        reqs = await svc.start([prompts[p] for p in prompt_of], decodes, thinking, req.stop,
-                               with_logprobs)
-        choices = Choices(reqs, prompt_of, chat_format=chat_format, thinking=thinking,
-                          logprobs=with_logprobs, tokenizer=svc.scheduler.engine.tokenizer,
-                          model_name=svc.model_name)
-        if not req.stream:
-            results = await unless_gone(request, reqs,
-                                        asyncio.gather(*(svc.collect(r) for r in reqs)))
-            return JSONResponse(choices.body(results))
-
-        events: asyncio.Queue = asyncio.Queue()  # (choice index, event) of every choice
-
-        async def pump(i: int, r: Request) -> None:
-            while True:
-                event = await r.events.get()
-                events.put_nowait((i, event))
-                if event[0] != "tokens":
-                    return
-
-        pumps = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(reqs)]
-
-        def stop_all() -> None:
-            for task in pumps:
-                task.cancel()
-            for r in reqs:  # a client that went away frees its rows at the next step
-                r.cancelled = True
-
-        # The stream opens with the first committed block: a request refused while it waited
-        # (queue timeout, shutdown, engine failure) gets a real status code, not an in-band error.
-        try:
-            first = await unless_gone(request, reqs, events.get())
-        except BaseException:
-            stop_all()
-            raise
-        if first[1][0] == "error":
-            stop_all()
-            raise engine_error(first[1][1], first[1][2])
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-        async def stream():
-            results: list = [None] * len(reqs)
-            try:
-                for line in choices.opening():
-                    yield line
-                i, event = first
-                while True:
-                    if event[0] == "tokens":
-                        line = choices.tokens(i, event[1], event[2], event[3])
-                        if line is not None:
-                            yield line
-                    elif event[0] == "done":
-                        results[i] = event[1]
-                        yield choices.done(i, event[1])
-                        if all(r is not None for r in results):
-                            if include_usage:
-                                yield choices.sse([], usage=choices.usage(results))
-                            break
-                    else:  # after the stream started: a typed error event
-                        e = engine_error(event[1], event[2])
-                        yield f"data: {json.dumps({'error': {'message': e.message, 'type': e.kind, 'code': e.status}})}\n\n"
-                        break
-                    i, event = await events.get()
-                yield "data: [DONE]\n\n"
-            finally:
-                stop_all()
-
-        return StreamingResponse(stream(), media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache"})
-
-    @route("/generate", ["POST"], "generate")
-    async def generate(request):
-        """Segments decoded together. A segment that fails (a queue timeout, say) gets its own
-        error entry; the others keep their results. Only when every segment failed is the
-        response an error."""
-        req = svc.parse(protocol.GenerateRequest, await guarded(request), request)
-        if len(req.segments) > svc.cfg.server.max_segments:
-            raise HTTPError(400, f"{len(req.segments)} segments; the limit is "
-                                 f"{svc.cfg.server.max_segments}", param="segments")
-        thinking = svc.thinking(req)
-        decodes, budget = svc.decode_configs(req, thinking, len(req.segments), "max_new_tokens")
-        ids = [svc.encode(s, f"segments[{i}]") for i, s in enumerate(req.segments)]
-        if budget is not None:
-            for i, p in enumerate(ids):
-                svc.check_room(p, decodes[0], f"segments[{i}]", budget)
-        reqs = await svc.start(ids, decodes, thinking, req.stop)  # all segments batched together
-        results = await unless_gone(request, reqs, asyncio.gather(
-            *(svc.collect(r) for r in reqs), return_exceptions=True))
-        failed = [r for r in results if isinstance(r, BaseException)]
-        for r in failed:
-            if not isinstance(r, HTTPError):
-                raise r
-        if len(failed) == len(results):
-            raise failed[0]
-
-        def segment(r) -> dict:
-            if isinstance(r, HTTPError):
-                return {"error": {"message": r.message, "type": r.kind, "code": r.status}}
-            return {"tokens": len(r.token_ids), "nfe": r.nfe, "tpf": round(r.tpf, 4),
-                    "bubble_forwards": r.bubble_forwards, "finish_reason": r.finish_reason,
-                    **voting_info(r)}
-
-        return JSONResponse({"output": [None if isinstance(r, HTTPError) else r.text
-                                        for r in results],
-                             "segments": [segment(r) for r in results]})
-
-    @route("/openapi.json", ["GET"], "openapi")
-    async def openapi_schema(request):
-        return JSONResponse(OPENAPI)
-
-    def model_card() -> dict:
-        return {"id": svc.model_name, "object": "model", "created": 0, "owned_by": "mbd-jax",
-                "max_model_len": svc.scheduler.engine.cfg.max_seq_len}
-
-    @route("/v1/models", ["GET"], "models")
-    async def models(request):
-        svc.authorize(request)
-        return JSONResponse({"object": "list", "data": [model_card()]})
-
-    @route("/v1/models/{model_id:path}", ["GET"], "model")
-    async def model(request):
-        svc.authorize(request)
-        if request.path_params["model_id"] != svc.model_name:
-            raise HTTPError(404, f"model '{_shown(request.path_params['model_id'])}' does not exist; "
-                                 f"this server serves '{svc.model_name}'", param="model",
-                            kind="not_found_error")
-        return JSONResponse(model_card())
-
-    @route("/health", ["GET"], "health")
-    async def health(request):
-        """200 while the process can serve (also while loading or draining); 503 once its engine
-        has failed for good (the process is on its way out)."""
-        if svc.scheduler.error is not None:
-            raise HTTPError(503, "the engine has failed", kind="unavailable")
-        return JSONResponse({"status": "ok"})
-
-    @route("/ready", ["GET"], "ready")
-    async def ready(request):
-        if svc.scheduler.draining:
-            raise HTTPError(503, "draining", kind="unavailable")
-        if svc.scheduler.error is not None or not svc.scheduler.ready:
-            raise HTTPError(503, "starting" if svc.scheduler.error is None else "engine failed",
-                            kind="unavailable")
-        return JSONResponse({"status": "ready"})
-
-    # ------------------------------------------------------------ admin
-    @route("/metrics", ["GET"], "metrics")
-    async def metrics(request):
-        if not svc.cfg.monitoring.enabled:
-            raise HTTPError(404, "monitoring is disabled")
-        return Response(svc.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    handlers = {StarletteHTTPException: http_exception}
-    data = Starlette(routes=[completions, chat_completions, generate, models, model, health,
-                             ready, openapi_schema] + ([] if admin_port else [metrics]),
-                     exception_handlers=handlers)
-
-    @route("/admin/profile", ["POST"], "profile")
-    async def profile(request):
-        body = await svc.read_json(request)
-        seconds = body.get("seconds")
-        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 < seconds <= 300:
-            raise HTTPError(400, "field 'seconds' must be a number in (0, 300]", param="seconds")
-        if svc.profiling:
-            raise HTTPError(409, "a profile is already being captured", kind="conflict")
-        svc.profiling = True
-        out = svc.profile_dir / time.strftime("%Y%m%d-%H%M%S")
-        out.mkdir(parents=True, exist_ok=True)
-        try:
-            jax.profiler.start_trace(str(out))
-            await asyncio.sleep(seconds)
-        finally:
-            jax.profiler.stop_trace()
-            svc.profiling = False
-        return JSONResponse({"directory": str(out.resolve()), "seconds": seconds})
-
-    admin = Starlette(routes=[metrics, profile, health], exception_handlers=handlers)
-    return data, admin
-
-
-async def http_exception(request: HTTPRequest, exc: StarletteHTTPException) -> Response:
-    """Unknown routes (404) and wrong methods (405) answer in the same JSON error shape."""
-    message = {404: f"no route {request.url.path}",
-               405: f"{request.method} is not allowed on {request.url.path}"}.get(
-        exc.status_code, str(exc.detail))
-    return error_response(HTTPError(exc.status_code, message, kind="invalid_request_error",
-                                    headers=dict(exc.headers or {})))

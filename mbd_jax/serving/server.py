@@ -39,7 +39,8 @@ from mbd_jax.decoding.voting import record_shape
 from mbd_jax.engine import Engine, mirror
 from mbd_jax.errors import UserError
 from mbd_jax.parallel import multihost
-from mbd_jax.serving.app import Service, build_apps
+from mbd_jax.serving.app import Service
+from mbd_jax.serving.routes import build_apps
 from mbd_jax.serving.connections import connection_budget, guarded_protocol, quiet_repeats
 from mbd_jax.serving.metrics import Metrics
 from mbd_jax.serving.scheduler import Scheduler

@@ -1,0 +1,295 @@
+"""The service's routes (Starlette): OpenAI-compatible completions and chat completions with n
+choices, streamed or not; /generate; models; health and readiness; the admin app's metrics and
+profiler. Each handler is a method of `Routes` over one `Service` (app.py: validation, limits,
+the hand-off to the scheduler); `route` wraps it with the error shape, the request id, the
+request counter and the access log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import jax
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from mbd_jax.errors import UserError
+from mbd_jax.serving import protocol
+from mbd_jax.serving.app import (OPENAPI, ClientGone, HTTPError, Service, _shown, engine_error,
+                                 error_response, request_id, unless_gone)
+from mbd_jax.serving.openai_response import Choices, voting_info
+from mbd_jax.serving.request import Request
+
+log = logging.getLogger("mbd_jax.serving")
+
+
+def build_apps(svc: Service, admin_port: bool = True) -> tuple[Starlette, Starlette]:
+    """(data app, admin app). Without an admin port, /metrics is served on the data app too."""
+    r = Routes(svc)
+    metrics = route(svc, "/metrics", ["GET"], "metrics", r.metrics)
+    health = route(svc, "/health", ["GET"], "health", r.health)
+    data = [route(svc, "/v1/completions", ["POST"], "completions", r.completions),
+            route(svc, "/v1/chat/completions", ["POST"], "chat_completions", r.chat_completions),
+            route(svc, "/generate", ["POST"], "generate", r.generate),
+            route(svc, "/v1/models", ["GET"], "models", r.models),
+            route(svc, "/v1/models/{model_id:path}", ["GET"], "model", r.model),
+            health, route(svc, "/ready", ["GET"], "ready", r.ready),
+            route(svc, "/openapi.json", ["GET"], "openapi", r.openapi)]
+    admin = [metrics, route(svc, "/admin/profile", ["POST"], "profile", r.profile), health]
+    handlers = {StarletteHTTPException: http_exception}
+    return (Starlette(routes=data + ([] if admin_port else [metrics]), exception_handlers=handlers),
+            Starlette(routes=admin, exception_handlers=handlers))
+
+
+def route(svc: Service, path: str, methods: list[str], name: str, handler) -> Route:
+    """A Route whose endpoint answers `handler`'s response, or the JSON error of an HTTPError (a
+    client gone: 499; anything else: 500, logged), with the request id header, the request
+    counter and one log line."""
+    async def endpoint(request: HTTPRequest) -> Response:
+        t0 = time.perf_counter()
+        rid = request.state.rid = request_id(request)
+        try:
+            response = await handler(request)
+        except HTTPError as e:
+            response = error_response(e)
+        except ClientGone:  # nobody to answer; 499 is what the log and metrics say
+            response = Response(status_code=499)
+        except Exception:  # a bug, not the client's fault: log it, say 500 without details
+            log.exception("request %s on %s failed", rid, path)
+            response = error_response(HTTPError(500, "internal error; see the server log",
+                                                kind="server_error"))
+        response.headers["x-request-id"] = rid
+        svc.metrics.requests.labels(name, str(response.status_code)).inc()
+        log.info("request %s %s %s status=%d bytes_in=%s ms=%.1f", rid, request.method,
+                 path, response.status_code, request.headers.get("content-length", "-"),
+                 (time.perf_counter() - t0) * 1e3)
+        return response
+    return Route(path, endpoint, methods=methods, name=name)
+
+
+async def http_exception(request: HTTPRequest, exc: StarletteHTTPException) -> Response:
+    """Unknown routes (404) and wrong methods (405) answer in the same JSON error shape."""
+    message = {404: f"no route {request.url.path}",
+               405: f"{request.method} is not allowed on {request.url.path}"}.get(
+        exc.status_code, str(exc.detail))
+    return error_response(HTTPError(exc.status_code, message, kind="invalid_request_error",
+                                    headers=dict(exc.headers or {})))
+
+
+class Routes:
+    def __init__(self, svc: Service):
+        self.svc = svc
+
+    async def _guarded(self, request: HTTPRequest) -> dict:
+        caller = self.svc.authorize(request)
+        self.svc.available()  # a request refused while loading spends no rate-limit token
+        self.svc.limit_rate(caller)
+        return await self.svc.read_json(request)
+
+    async def completions(self, request):
+        req = self.svc.parse(protocol.CompletionRequest, await self._guarded(request), request)
+        texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        prompts = [self.svc.encode(p, "prompt" if len(texts) == 1 else f"prompt[{i}]")
+                   for i, p in enumerate(texts)]
+        return await self._respond(request, req, prompts, chat_format=False)
+
+    async def chat_completions(self, request):
+        req = self.svc.parse(protocol.ChatCompletionRequest, await self._guarded(request), request)
+        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        extra = req.chat_template_kwargs.model_extra if req.chat_template_kwargs else {}
+        try:
+            text = self.svc.template.render(messages, self.svc.thinking(req), **(extra or {}))
+        except UserError as e:
+            raise HTTPError(400, str(e), param="messages") from None
+        return await self._respond(request, req, [self.svc.encode(text, "messages")],
+                                   chat_format=True)
+
+    async def _respond(self, request, req, prompts: list[list[int]],
+                       chat_format: bool) -> Response:
+        """Runs req.n choices per prompt (choice index = prompt * n + j) and answers in the
+        OpenAI shape (openai_response.Choices), streamed or not."""
+        thinking, n = self.svc.thinking(req), req.n
+        if len(prompts) * n > self.svc.cfg.server.max_segments:  # n == 1: too many prompts
+            raise HTTPError(400, f"{len(prompts)} prompts x n={n} is {len(prompts) * n} choices; "
+                                 f"the limit is {self.svc.cfg.server.max_segments}",
+                            param="n" if n > 1 else "prompt")
+        decodes, budget = self.svc.decode_configs(req, thinking, len(prompts) * n, "max_tokens")
+        if budget is not None:  # an explicit token budget must fit beside every prompt
+            for i, ids in enumerate(prompts):
+                self.svc.check_room(ids, decodes[0], "messages" if chat_format else
+                                    ("prompt" if len(prompts) == 1 else f"prompt[{i}]"), budget)
+        prompt_of = [i // n for i in range(len(prompts) * n)]
+        with_logprobs = protocol.wants_logprobs(req)
+        reqs = await self.svc.start([prompts[p] for p in prompt_of], decodes, thinking, req.stop,
+                                    with_logprobs)
+        choices = Choices(reqs, prompt_of, chat_format=chat_format, thinking=thinking,
+                          logprobs=with_logprobs, tokenizer=self.svc.scheduler.engine.tokenizer,
+                          model_name=self.svc.model_name)
+        if not req.stream:
+            results = await unless_gone(request, reqs,
+                                        asyncio.gather(*(self.svc.collect(r) for r in reqs)))
+            return JSONResponse(choices.body(results))
+        return await self._stream(request, req, reqs, choices)
+
+    async def _stream(self, request, req, reqs: list[Request], choices: Choices) -> Response:
+        """The choices as server-sent events, opened once the first block is committed."""
+        events: asyncio.Queue = asyncio.Queue()  # (choice index, event) of every choice
+
+        async def pump(i: int, r: Request) -> None:
+            while True:
+                event = await r.events.get()
+                events.put_nowait((i, event))
+                if event[0] != "tokens":
+                    return
+
+        pumps = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(reqs)]
+
+        def stop_all() -> None:
+            for task in pumps:
+                task.cancel()
+            for r in reqs:  # a client that went away frees its rows at the next step
+                r.cancelled = True
+
+        # The stream opens with the first committed block: a request refused while it waited
+        # (queue timeout, shutdown, engine failure) gets a real status code, not an in-band error.
+        try:
+            first = await unless_gone(request, reqs, events.get())
+        except BaseException:
+            stop_all()
+            raise
+        if first[1][0] == "error":
+            stop_all()
+            raise engine_error(first[1][1], first[1][2])
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def stream():
+            results: list = [None] * len(reqs)
+            try:
+                for line in choices.opening():
+                    yield line
+                i, event = first
+                while True:
+                    if event[0] == "tokens":
+                        line = choices.tokens(i, event[1], event[2], event[3])
+                        if line is not None:
+                            yield line
+                    elif event[0] == "done":
+                        results[i] = event[1]
+                        yield choices.done(i, event[1])
+                        if all(r is not None for r in results):
+                            if include_usage:
+                                yield choices.sse([], usage=choices.usage(results))
+                            break
+                    else:  # after the stream started: a typed error event
+                        e = engine_error(event[1], event[2])
+                        error = {"message": e.message, "type": e.kind, "code": e.status}
+                        yield f"data: {json.dumps({'error': error})}\n\n"
+                        break
+                    i, event = await events.get()
+                yield "data: [DONE]\n\n"
+            finally:
+                stop_all()
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache"})
+
+    async def generate(self, request):
+        """Segments decoded together. A segment that fails (a queue timeout, say) gets its own
+        error entry; the others keep their results. Only when every segment failed is the
+        response an error."""
+        req = self.svc.parse(protocol.GenerateRequest, await self._guarded(request), request)
+        if len(req.segments) > self.svc.cfg.server.max_segments:
+            raise HTTPError(400, f"{len(req.segments)} segments; the limit is "
+                                 f"{self.svc.cfg.server.max_segments}", param="segments")
+        thinking = self.svc.thinking(req)
+        decodes, budget = self.svc.decode_configs(req, thinking, len(req.segments),
+                                                  "max_new_tokens")
+        ids = [self.svc.encode(s, f"segments[{i}]") for i, s in enumerate(req.segments)]
+        if budget is not None:
+            for i, p in enumerate(ids):
+                self.svc.check_room(p, decodes[0], f"segments[{i}]", budget)
+        reqs = await self.svc.start(ids, decodes, thinking, req.stop)  # batched together
+        results = await unless_gone(request, reqs, asyncio.gather(
+            *(self.svc.collect(r) for r in reqs), return_exceptions=True))
+        failed = [r for r in results if isinstance(r, BaseException)]
+        for r in failed:
+            if not isinstance(r, HTTPError):
+                raise r
+        if len(failed) == len(results):
+            raise failed[0]
+
+        def segment(r) -> dict:
+            if isinstance(r, HTTPError):
+                return {"error": {"message": r.message, "type": r.kind, "code": r.status}}
+            return {"tokens": len(r.token_ids), "nfe": r.nfe, "tpf": round(r.tpf, 4),
+                    "bubble_forwards": r.bubble_forwards, "finish_reason": r.finish_reason,
+                    **voting_info(r)}
+
+        return JSONResponse({"output": [None if isinstance(r, HTTPError) else r.text
+                                        for r in results],
+                             "segments": [segment(r) for r in results]})
+
+    async def openapi(self, request):
+        return JSONResponse(OPENAPI)
+
+    def _model_card(self) -> dict:
+        return {"id": self.svc.model_name, "object": "model", "created": 0, "owned_by": "mbd-jax",
+                "max_model_len": self.svc.scheduler.engine.cfg.max_seq_len}
+
+    async def models(self, request):
+        self.svc.authorize(request)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request):
+        self.svc.authorize(request)
+        if request.path_params["model_id"] != self.svc.model_name:
+            raise HTTPError(404, f"model '{_shown(request.path_params['model_id'])}' does not "
+                                 f"exist; this server serves '{self.svc.model_name}'",
+                            param="model", kind="not_found_error")
+        return JSONResponse(self._model_card())
+
+    async def health(self, request):
+        """200 while the process can serve (also while loading or draining); 503 once its engine
+        has failed for good (the process is on its way out)."""
+        if self.svc.scheduler.error is not None:
+            raise HTTPError(503, "the engine has failed", kind="unavailable")
+        return JSONResponse({"status": "ok"})
+
+    async def ready(self, request):
+        if self.svc.scheduler.draining:
+            raise HTTPError(503, "draining", kind="unavailable")
+        if self.svc.scheduler.error is not None or not self.svc.scheduler.ready:
+            raise HTTPError(503, "engine failed" if self.svc.scheduler.error else "starting",
+                            kind="unavailable")
+        return JSONResponse({"status": "ready"})
+
+    async def metrics(self, request):
+        if not self.svc.cfg.monitoring.enabled:
+            raise HTTPError(404, "monitoring is disabled")
+        return Response(self.svc.metrics.render(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def profile(self, request):
+        body = await self.svc.read_json(request)
+        seconds = body.get("seconds")
+        if (not isinstance(seconds, (int, float)) or isinstance(seconds, bool)
+                or not 0 < seconds <= 300):
+            raise HTTPError(400, "field 'seconds' must be a number in (0, 300]", param="seconds")
+        if self.svc.profiling:
+            raise HTTPError(409, "a profile is already being captured", kind="conflict")
+        self.svc.profiling = True
+        out = self.svc.profile_dir / time.strftime("%Y%m%d-%H%M%S")
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            jax.profiler.start_trace(str(out))
+            await asyncio.sleep(seconds)
+        finally:
+            jax.profiler.stop_trace()
+            self.svc.profiling = False
+        return JSONResponse({"directory": str(out.resolve()), "seconds": seconds})
