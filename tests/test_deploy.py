@@ -121,8 +121,8 @@ def test_probes_and_ports_match_the_service():
     a valid serve config."""
     from mbd_jax.config import load_serve_config
 
-    routes = set(re.findall(r'@route\("(/[a-z]+)", \["GET"\]', (
-        ROOT / "mbd_jax" / "serving" / "app.py").read_text()))
+    routes = set(re.findall(r'route\(svc, "(/[a-z]+)", \["GET"\]', (
+        ROOT / "mbd_jax" / "serving" / "routes.py").read_text()))
     assert {"/health", "/ready"} <= routes
     (config_map,) = [d for _, d in manifests() if d["kind"] == "ConfigMap"]
     path = pathlib.Path(__file__).parent / "_configmap_serve.yaml"
