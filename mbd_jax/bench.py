@@ -111,7 +111,7 @@ def bench_decode(cfg: ModelConfig, params: Any, *, batch: int, prompt_len: int, 
             "moe_impl": impl,
             "moe_paths": engine.moe_paths,  # the path each decode program ran (measure: timed)
             "experts_split": engine.experts_split,  # per-expert weights (model/layout.py)
-            "layer_loop": layout.resolve_loop(loop),
+            "layer_loop": layout.resolve_loop(loop, engine.cfg.platform),
             "buffer_size": n_buf,
             "tokens_per_s": statistics.median(tok_s),
             "tpf": statistics.median(tpf),

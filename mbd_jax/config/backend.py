@@ -12,6 +12,9 @@ from __future__ import annotations
 AUTO: dict[str, dict[str, str]] = {
     "moe_impl": {"cpu": "looped", "*": "ragged"},
     "layer_loop": {"cpu": "unrolled", "*": "scan"},
+    # a linear-attention layer's chunked rule: a block per step on CPU, the configured chunk
+    # elsewhere (model/gated_deltanet.py)
+    "delta_rule_chunk": {"cpu": "block", "*": "configured"},
 }
 
 

@@ -68,8 +68,10 @@ class Batch:
         if batch_size < 1 or buffer_size < 1:
             raise UserError("batch_size and buffer_size must be >= 1")
         compile_stats.install()  # count this engine's compilations from the first one
-        self.cfg = cfg
         self.mesh = mesh if mesh is not None else meshlib.single_device_mesh()
+        # every platform choice (expert path, layer loop, delta-rule chunks) from the mesh's
+        # devices, not from the host's default backend
+        self.cfg = cfg = dataclasses.replace(cfg, platform=meshlib.platform(self.mesh))
         self.batch_size = batch_size
         self.buffer_size = buffer_size
         self.prefill_chunk = min(prefill_chunk, cfg.max_seq_len)

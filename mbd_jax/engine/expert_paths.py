@@ -35,14 +35,14 @@ def timing_decode(cfg: ModelConfig, buffer_size: int) -> DecodeConfig:
                         steps_per_block=cfg.block_size, max_new_tokens=new, ignore_eos=True)
 
 
-def choose(batch_size: int, time_calls: TimeCalls, say: Callable[[str], None]
+def choose(batch_size: int, platform: str, time_calls: TimeCalls, say: Callable[[str], None]
            ) -> tuple[dict[str, str], dict[str, dict[str, float]]]:
-    """Times every candidate path (config.MEASURED) on the all-rows program and, with more than
-    one row, the one-row program. Returns ({program: fastest path}, {program: {path: ms per
+    """Times every candidate path on `platform` (config.MEASURED) on the all-rows program and,
+    with more than one row, the one-row program. Returns ({program: fastest path}, {program: {path: ms per
     step}}), process 0's on every process (its clock decides, so all run the same programs)."""
     programs = {"all rows": batch_size} | ({"one row": 1} if batch_size > 1 else {})
     timings: dict[str, dict[str, float]] = {name: {} for name in programs}
-    for impl in measured_candidates("moe_impl"):
+    for impl in measured_candidates("moe_impl", platform):
         for name, rows in programs.items():
             say(f"timing the {impl} expert path ({name})")
             timings[name][impl] = 1e3 * statistics.median(time_calls(impl, rows)) / STEPS

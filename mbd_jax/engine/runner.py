@@ -42,7 +42,7 @@ class Runner:
         # The expert path each decode program runs (moe_impl `measure`: auto's until the warm-up
         # times the candidates, engine/expert_paths.py); programs are built per path.
         self._program_key = (mesh, batch_size, capacity, n_pages, buffer_size, debug)
-        impl = resolve_auto("moe_impl", cfg.moe_impl)
+        impl = resolve_auto("moe_impl", cfg.moe_impl, cfg.platform)
         self.moe_paths = {"all rows": impl, "one row": impl}
         self._use_layout(impl)
         progs = self._programs(impl)

@@ -83,7 +83,8 @@ def choose_expert_paths(engine, say: Callable[[str], None]) -> None:
 
     offloader, engine.offloader = engine.offloader, None
     try:
-        best, engine.moe_timings = expert_paths.choose(engine.batch_size, time_calls, say)
+        best, engine.moe_timings = expert_paths.choose(engine.batch_size, engine.cfg.platform,
+                                                       time_calls, say)
     finally:
         engine.offloader = offloader
     engine.use_expert_paths(best["all rows"], best.get("one row", best["all rows"]))

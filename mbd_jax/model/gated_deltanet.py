@@ -26,7 +26,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mbd_jax.config import ModelConfig
+from mbd_jax.config import ModelConfig, resolve_auto
 from mbd_jax.model import delta_rule
 from mbd_jax.model.forward_meta import ForwardMeta, group_starts
 from mbd_jax.model.params import NORMAL, param
@@ -43,13 +43,14 @@ def _pad_blocks(block: int, q, k, v, g, beta):
     return tuple(jnp.pad(x, width(x)) for x in (q, k, v, g, beta))
 
 
-def _chunk(chunk_size: int, block: int, tokens: int) -> int:
-    """Tokens per step of the chunked rule over `tokens` (whole blocks). On CPU one block: the
-    chunked form trades FLOPs for fewer sequential steps, which a 2-core CPU does not need
-    (docs/lab/probes/bench_delta_rule.py: a 256-token prefill at the 35B-A3B head shape, 8 rows, 0.71 s at
-    chunks of 8 against 1.00 s at 64). Elsewhere the configured chunk, or all the tokens when fewer (a decode window of one or
+def _chunk(chunk_size: int, block: int, tokens: int, platform: str | None) -> int:
+    """Tokens per step of the chunked rule over `tokens` (whole blocks) on `platform`
+    (config.AUTO's delta_rule_chunk). On CPU one block: the chunked form trades FLOPs for fewer
+    sequential steps, which a 2-core CPU does not need (docs/lab/probes/bench_delta_rule.py: a
+    256-token prefill at the 35B-A3B head shape, 8 rows, 0.71 s at chunks of 8 against 1.00 s at
+    64). Elsewhere the configured chunk, or all the tokens when fewer (a decode window of one or
     two blocks is not padded to a chunk of 64)."""
-    if jax.default_backend() == "cpu":
+    if resolve_auto("delta_rule_chunk", "auto", platform) == "block":
         return block
     return min(chunk_size, tokens)
 
@@ -79,7 +80,7 @@ def _dual_stream_conv(channels: jax.Array, weight: jax.Array, groups: jax.Array,
 
 
 def _dual_stream_rule(q, k, v, g, beta, groups: jax.Array, block: int, mode: str,
-                      chunk: int) -> jax.Array:
+                      chunk: int, platform: str | None) -> jax.Array:
     """The gated delta rule over a [noisy ; clean] dual stream (inputs [B, 2L, ...]): the clean
     half from a zero state; each noisy group from the clean state after the blocks before it,
     chained through the group's own noisy blocks (the MultiBD window's view; its restarts go
@@ -89,7 +90,7 @@ def _dual_stream_rule(q, k, v, g, beta, groups: jax.Array, block: int, mode: str
     hv, dk, dv = v.shape[2], q.shape[3], v.shape[3]
     zero = jnp.zeros((q.shape[0], hv, dk, dv), jnp.float32)
     o_clean, clean_states = delta_rule.block_outputs(*halves[0], zero, block, mode,
-                                                     chunk=_chunk(chunk, block, seq))
+                                                     chunk=_chunk(chunk, block, seq, platform))
     first = group_starts(groups)  # [B, nb]
     restarts = first == jnp.arange(groups.shape[1])[None]  # blocks that start a group
     before = jnp.take_along_axis(clean_states, jnp.maximum(first - 1, 0)[..., None, None, None],
@@ -152,15 +153,15 @@ class GatedDeltaNet(nn.Module):
 
         if dual:
             o = _dual_stream_rule(q, k, v, g, beta, meta.groups, cfg.block_size, sm.block_mode,
-                                  sm.chunk_size)
+                                  sm.chunk_size, cfg.platform)
         elif cache is None and sm.block_mode == "causal":  # any chunk gives these outputs
             o, _ = delta_rule.chunked(q, k, v, g, beta, state,
-                                      _chunk(sm.chunk_size, cfg.block_size, t))
+                                      _chunk(sm.chunk_size, cfg.block_size, t, cfg.platform))
         else:  # the state after each block, for the commit
             padded = _pad_blocks(cfg.block_size, q, k, v, g, beta)
             o, states = delta_rule.block_outputs(*padded, state, cfg.block_size, sm.block_mode,
                                                  chunk=_chunk(sm.chunk_size, cfg.block_size,
-                                                              padded[0].shape[1]))
+                                                              padded[0].shape[1], cfg.platform))
             o = o[:, :t]
         if cache is not None:
             cache = self._commit(cache, slot, meta, rows, state, states, tail, channels)

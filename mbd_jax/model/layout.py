@@ -41,7 +41,7 @@ def resolve_loop(name: str, backend: str | None = None) -> str:
 
 
 def scanned(cfg: ModelConfig) -> bool:
-    return resolve_loop(cfg.layer_loop) == "scan"
+    return resolve_loop(cfg.layer_loop, cfg.platform) == "scan"
 
 
 def canonical(cfg: ModelConfig) -> ModelConfig:

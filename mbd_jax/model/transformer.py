@@ -81,7 +81,7 @@ class MoE(nn.Module):
         wg = expert_weight(self, gate, (e, d, f), ("expert", "embed", "mlp"))
         wu = expert_weight(self, up, (e, d, f), ("expert", "embed", "mlp"))
         wd = expert_weight(self, down, (e, f, d), ("expert", "mlp", "embed"))
-        experts = moe.EXPERT_IMPLS[moe.resolve_impl(cfg.moe_impl)]
+        experts = moe.EXPERT_IMPLS[moe.resolve_impl(cfg.moe_impl, cfg.platform)]
         if self.mesh is not None and self.mesh.size > 1:
             experts = sharded_experts(experts, self.mesh)
         out = experts(tokens, ids, weights, moe.cast(wg, dt), moe.cast(wu, dt), moe.cast(wd, dt))
@@ -186,7 +186,7 @@ def init_params(cfg: ModelConfig, seed: int | None = None, mesh: Mesh | None = N
 def _layout_key(cfg: ModelConfig) -> ModelConfig:
     """`cfg` with its layer loop resolved: configs that differ only in how the loop is named
     ("auto" or the loop it stands for) share one parameter layout, hence one cache entry below."""
-    return dataclasses.replace(cfg, layer_loop=layout.resolve_loop(cfg.layer_loop))
+    return dataclasses.replace(cfg, layer_loop=layout.resolve_loop(cfg.layer_loop, cfg.platform))
 
 
 def param_shapes(cfg: ModelConfig) -> Any:

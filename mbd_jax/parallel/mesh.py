@@ -100,6 +100,12 @@ def tree_shardings(logical: Any, shapes: Any, mesh: Mesh) -> Any:
                         logical, shapes, is_leaf=is_axes)
 
 
+def platform(mesh: Mesh) -> str:
+    """The platform of the mesh's devices ("cpu", "gpu", "tpu"; compile-only devices of a GPU
+    topology say "gpu"): what the programs built for it are traced for (ModelConfig.platform)."""
+    return mesh.devices.flat[0].platform
+
+
 def single_device_mesh() -> Mesh:
     """The (1, 1, 1) mesh of the first device: what an engine without --mesh runs on."""
     return make_mesh(dict.fromkeys(AXES, 1), jax.devices()[:1])
