@@ -20,6 +20,14 @@ $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $@ $(VENV)/.installed
 
+# The CUDA plugin (the gpu-compile extra) in its own directory, outside the environment's import
+# path: the GPU compile check runs in a process that puts it on PYTHONPATH with JAX_PLATFORMS=cpu,
+# and every other process keeps a plain CPU JAX (tests/test_gpu_compile.py).
+$(VENV)/gpu-compile/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet --upgrade --no-deps --target $(VENV)/gpu-compile $$($(BIN)/python -c \
+	  "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['gpu-compile']))")
+	touch $@
+
 ## make run: install and start the HTTP service on the embedded default model (Ctrl-C stops it);
 ## PORT=... and ADMIN_PORT=... (default 9100; 0: none) move it; MBD_<SECTION>_<FIELD>=... sets any setting
 run: $(VENV)/.installed
@@ -32,7 +40,7 @@ generate: $(VENV)/.installed
 ## make test: install with the dev extras (and promtool, where apt can) and run the whole suite,
 ## one worker per core (at most 4: each holds a JAX runtime); TEST_WORKERS=0 runs it in-process
 TEST_WORKERS ?= auto
-test: $(VENV)/.installed-dev promtool lint
+test: $(VENV)/.installed-dev $(VENV)/gpu-compile/.installed promtool lint
 	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --maxprocesses 4 --dist worksteal)
 
 ## make test-slow: the heavier variants kept out of `make test` (each has a lighter test covering

@@ -1,0 +1,117 @@
+"""An engine's programs compiled for GPUs that are not here: compile-only devices of a GPU
+topology (XLA's target description of the device, configs/gpu-targets/), the engine's real
+decode and prefill programs lowered over abstract inputs with the engine's shardings on a mesh
+of those devices, and XLA:GPU's whole pipeline run on them (SPMD partitioning, collectives,
+fusions, PTX). Needs the CUDA plugin wheels (`pip install -e '.[gpu-compile]'`, no driver) and
+JAX_PLATFORMS=cpu set before JAX starts (else the plugin looks for a driver and the topology
+cannot be built).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mbd_jax.config import DATA_ROOT, DecodeConfig, ModelConfig
+from mbd_jax.decoding import block_buffer
+from mbd_jax.engine import admission
+from mbd_jax.engine.programs import programs
+from mbd_jax.errors import UserError
+from mbd_jax.model import sharding
+from mbd_jax.model.cache import ModelCache
+from mbd_jax.parallel import mesh as meshlib
+
+TARGET_DIR = DATA_ROOT / "configs" / "gpu-targets"
+TARGETS = {"h100": "h100_sxm.txtpb", "h200": "h200.txtpb"}  # names -> files in TARGET_DIR
+
+
+def target_text(target: str) -> str:
+    """A target description: a name in TARGETS or a GpuTargetConfigProto text file."""
+    path = TARGET_DIR / TARGETS[target] if target in TARGETS else pathlib.Path(target)
+    if not path.is_file():
+        raise UserError(f"target {target!r}: expected one of {', '.join(TARGETS)} or a "
+                        "GpuTargetConfigProto text file")
+    return path.read_text()
+
+
+def topology_devices(target: str, hosts: int = 1, per_host: int = 8) -> list[Any]:
+    """Compile-only devices of `hosts` hosts of `per_host` GPUs each."""
+    from jax.experimental import topologies
+
+    if hosts < 1 or per_host < 1:
+        raise UserError(f"topology: {hosts} hosts of {per_host} devices; both must be >= 1")
+    try:
+        topo = topologies.get_topology_desc(platform="cuda", topology=f"1x{hosts}x{per_host}",
+                                            target_config=target_text(target))
+    except (RuntimeError, ValueError) as e:  # no plugin, a CUDA backend already up, a bad file
+        raise UserError(f"cannot build a {hosts}x{per_host} {target} topology here: {e} (needs "
+                        "the CUDA plugin wheels and JAX_PLATFORMS=cpu)") from None
+    return list(topo.devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineShape:
+    """The engine whose programs are compiled: what `Engine(...)` would be given."""
+
+    batch_size: int = 4
+    buffer_size: int = 2
+    prefill_chunk: int = 256
+    kv_pool_tokens: int | None = None  # None: every row a full context
+
+
+@dataclasses.dataclass
+class Program:
+    compiled: jax.stages.Compiled
+    input_bytes: int  # per device, from the inputs' shapes and shardings (what XLA must hold)
+
+
+def _per_device_bytes(args: Any) -> int:
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree.leaves(args))
+
+
+def _compile(jitted: Any, *args: Any) -> Program:
+    return Program(jitted.lower(*args).compile(), _per_device_bytes(args))
+
+
+def _abstract(tree: Any, shardings: Any) -> Any:
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        tree, shardings)
+
+
+def compile_engine(cfg: ModelConfig, mesh: jax.sharding.Mesh, shape: EngineShape
+                   ) -> dict[str, Program]:
+    """{"decode": the all-rows decode loop, "prefill": a prefill_chunk-token call over every
+    row} of an engine of `shape` on `mesh`, compiled for the mesh's platform."""
+    cfg = dataclasses.replace(cfg, platform=meshlib.platform(mesh))
+    window = shape.buffer_size * cfg.block_size
+    prefill_chunk = min(shape.prefill_chunk, cfg.max_seq_len)
+    capacity = ModelCache.capacity_for(cfg, max(prefill_chunk, window))
+    page = ModelCache.page_size(cfg)
+    b = shape.batch_size
+    n_pages = (b * capacity // page if shape.kv_pool_tokens is None
+               else -(-shape.kv_pool_tokens // page))
+    progs = programs(cfg, mesh, b, capacity, n_pages, shape.buffer_size, False)
+    replicated = meshlib.replicated(mesh)
+    params = sharding.abstract_params(cfg, mesh)
+    kv = _abstract(jax.eval_shape(lambda: ModelCache.allocate(cfg, b, capacity, n_pages)),
+                   progs.kv_sharding)
+    prompts = [np.full(1, cfg.pad_token_id, np.int32)] * b
+    decodes = [DecodeConfig(buffer_size=shape.buffer_size)] * b
+    host = block_buffer.initial_state(prompts, capacity, cfg.block_size, shape.buffer_size,
+                                      cfg.mask_token_id, admission.row_params(cfg, prompts, decodes),
+                                      put=np.asarray)
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+                         host)
+    scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    rows = lambda dt: jax.ShapeDtypeStruct((b,), dt, sharding=replicated)  # noqa: E731
+    tokens = jax.ShapeDtypeStruct((b, prefill_chunk), jnp.int32, sharding=replicated)
+    return {"decode": _compile(progs.decode, params, state, kv, scalar),
+            "prefill": _compile(progs.prefill, params, kv, tokens, rows(jnp.int32),
+                                rows(jnp.int32), rows(jnp.bool_))}

@@ -1,0 +1,65 @@
+"""The engine's GPU programs compile, on this CPU machine: decode and prefill of a tiny MoE preset
+and a tiny MoE hybrid, for an 8 x H200 topology with `expert` and `tensor` axes, through
+XLA:GPU's whole pipeline (engine/deviceless.py). Runs in its own process: the CUDA plugin lives
+in .venv/gpu-compile (`make test` installs it), outside this process's JAX."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.live_server import ROOT
+
+PLUGIN_DIR = ROOT / ".venv" / "gpu-compile"
+
+SCRIPT = r"""
+import dataclasses, json, re, time
+from mbd_jax.config import load_model_config
+from mbd_jax.config.paths import MODEL_PRESET_DIR
+from mbd_jax.engine import deviceless
+from mbd_jax.parallel import mesh as meshlib
+
+devices = deviceless.topology_devices("h200", hosts=1, per_host=8)
+mesh = meshlib.make_mesh({"data": 1, "expert": 4, "tensor": 2}, devices)
+out = {"device_kind": devices[0].device_kind, "platform": devices[0].platform}
+for preset in ("tiny-moe", "tiny-moe-hybrid-causal"):
+    cfg = dataclasses.replace(load_model_config(MODEL_PRESET_DIR / f"{preset}.yaml"),
+                              moe_impl="auto")  # the preset fixes tiled for training
+    shape = deviceless.EngineShape(batch_size=4, buffer_size=2, prefill_chunk=64)
+    for name, program in deviceless.compile_engine(cfg, mesh, shape).items():
+        text, memory = program.compiled.as_text(), program.compiled.memory_analysis()
+        out[f"{preset} {name}"] = {
+            "collectives": sorted(set(re.findall(
+                r"\b(all-reduce|all-gather|all-to-all|reduce-scatter)(?:-start)?\(", text))),
+            "ragged_dot": "ragged" in text, "triton": "__triton" in text,
+            "argument_bytes": memory.argument_size_in_bytes, "input_bytes": program.input_bytes,
+            "temp_bytes": memory.temp_size_in_bytes}
+print(json.dumps(out))
+"""
+
+
+def test_decode_and_prefill_compile_for_an_h200_mesh():
+    assert (PLUGIN_DIR / "jax_plugins").is_dir(), "run `make test` (it installs .venv/gpu-compile)"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=f"{PLUGIN_DIR}{os.pathsep}{ROOT}")
+    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, cwd=ROOT,
+                       env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["platform"] == "gpu" and "H200" in out["device_kind"]
+    for preset in ("tiny-moe", "tiny-moe-hybrid-causal"):
+        for name in ("decode", "prefill"):
+            p = out[f"{preset} {name}"]
+            # the GPU program: grouped-matmul experts (the CPU one loops over experts) and
+            # Triton fusions (XLA:GPU's)
+            assert p["ragged_dot"] and p["triton"], (preset, name, p)
+            # tensor parallel sums partial products
+            assert "all-reduce" in p["collectives"], (preset, name, p)
+            assert 0 < p["temp_bytes"] < 64 << 20, (preset, name, p)
+        # every input held as its sharding says (prefill reads no output head: jit drops it)
+        decode, prefill = out[f"{preset} decode"], out[f"{preset} prefill"]
+        assert decode["argument_bytes"] == decode["input_bytes"], decode
+        assert 0.9 * prefill["input_bytes"] < prefill["argument_bytes"] < prefill["input_bytes"]
+        # expert parallel: the decode step sends tokens to the devices holding their experts
+        assert "all-to-all" in decode["collectives"], decode
