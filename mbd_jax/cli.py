@@ -375,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mbd-jax", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
     for add in (_generate_command, _serve_command, _convert_and_verify_commands, _train_command,
-                _eval_command, _bench_command):
+                _eval_command, _bench_command, _plan_command):
         add(sub)
     return ap
 
@@ -504,6 +504,56 @@ def _bench_command(sub) -> None:
     _add_compile_cache_flag(d, default="off")
     multihost.add_launch_flags(d)
     d.set_defaults(func=cmd_bench_decode)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Compiles the engine for the target and prints what it holds and how fast it should step;
+    exit 1 when a program does not fit within the budget."""
+    from mbd_jax import plan
+
+    plan.jax_for_planning()  # before any backend starts: the devices are compile-only
+    from mbd_jax.checkpoint import load_model
+    from mbd_jax.engine import deviceless
+
+    if not 0 < args.budget <= 1:
+        raise UserError(f"--budget {args.budget}: expected a share of HBM in (0, 1]")
+    cfg = load_model(args.model, with_weights=False, runtime=_runtime(args)).cfg
+    shape = deviceless.EngineShape(args.batch, args.buffer_size, args.prefill_chunk,
+                                   args.kv_pool_tokens)
+    report = plan.plan(cfg, args.target, args.hosts, args.devices_per_host, args.mesh, shape,
+                       context=args.context, budget=args.budget, say=_progress)
+    print(json.dumps(report) if args.json else plan.table(report))
+    return 0 if report["fits"] else 1
+
+
+def _plan_command(sub) -> None:
+    """`mbd-jax plan`: memory and a modelled step time on GPUs that are not here."""
+    from mbd_jax.arguments import int_at_least
+    from mbd_jax.config import ServerConfig
+    from mbd_jax.engine.deviceless import TARGETS
+
+    p = sub.add_parser("plan", help="does a model fit, and how fast should it step, on given GPUs "
+                                    "(compiled for them here, no GPU needed)",
+                       epilog="Needs the gpu-compile extra: pip install -e '.[gpu-compile]'.")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="preset name, YAML file or model dir")
+    p.add_argument("--target", default="h200",
+                   help=f"{', '.join(TARGETS)}, or a GpuTargetConfigProto text file (default h200)")
+    p.add_argument("--hosts", type=int_at_least(1), default=1)
+    p.add_argument("--devices-per-host", type=int_at_least(1), default=8)
+    p.add_argument("--mesh", default="", help="e.g. expert=8 or expert=4,tensor=2 (default: "
+                                             "tensor over every device)")
+    p.add_argument("--batch", type=int_at_least(1), default=ServerConfig.max_batch_size,
+                   help="rows decoded together (default: the service's, %(default)s)")
+    p.add_argument("--buffer-size", type=int_at_least(1), default=ServerConfig.buffer_size)
+    p.add_argument("--prefill-chunk", type=int_at_least(1), default=ServerConfig.prefill_chunk)
+    p.add_argument("--kv-pool-tokens", type=int_at_least(1),
+                   help="KV pool positions over all rows (default: every row a full context)")
+    p.add_argument("--context", type=int_at_least(1),
+                   help="visible positions a decode step reads (default: max_seq_len)")
+    p.add_argument("--budget", type=float, default=0.9, help="share of HBM a program may use")
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    _add_runtime_flags(p)
+    p.set_defaults(func=cmd_plan)
 
 
 def main(argv: list[str] | None = None) -> int:

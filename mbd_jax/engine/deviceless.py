@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import pathlib
+import re
 from typing import Any
 
 import jax
@@ -40,19 +41,33 @@ def target_text(target: str) -> str:
     return path.read_text()
 
 
-def topology_devices(target: str, hosts: int = 1, per_host: int = 8) -> list[Any]:
-    """Compile-only devices of `hosts` hosts of `per_host` GPUs each."""
+def topology_devices(target: str, hosts: int = 1, per_host: int = 8,
+                     memory_scale: int = 1) -> list[Any]:
+    """Compile-only devices of `hosts` hosts of `per_host` GPUs each (`memory_scale`: with that
+    many times the device's memory, to size a program that does not fit it)."""
     from jax.experimental import topologies
 
     if hosts < 1 or per_host < 1:
         raise UserError(f"topology: {hosts} hosts of {per_host} devices; both must be >= 1")
+    text = target_text(target)
+    if memory_scale != 1:
+        text = re.sub(r"device_memory_size:\s*(\d+)",
+                      lambda m: f"device_memory_size: {int(m.group(1)) * memory_scale}", text)
     try:
         topo = topologies.get_topology_desc(platform="cuda", topology=f"1x{hosts}x{per_host}",
-                                            target_config=target_text(target))
+                                            target_config=text)
     except (RuntimeError, ValueError) as e:  # no plugin, a CUDA backend already up, a bad file
         raise UserError(f"cannot build a {hosts}x{per_host} {target} topology here: {e} (needs "
-                        "the CUDA plugin wheels and JAX_PLATFORMS=cpu)") from None
+                        "the gpu-compile extra: pip install -e '.[gpu-compile]')") from None
     return list(topo.devices)
+
+
+def too_large(error: Exception) -> bool:
+    """Whether a compile failed because the program's buffers exceed the device's memory (XLA
+    says so in a warning and then fails with cudaErrorInvalidDevice)."""
+    text = str(error)
+    return "cudaErrorInvalidDevice" in text or "exceeds the base limit" in text \
+        or "RESOURCE_EXHAUSTED" in text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,23 +100,52 @@ def _abstract(tree: Any, shardings: Any) -> Any:
                         tree, shardings)
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineLayout:
+    """What an engine of a shape holds per device (as Engine sizes it)."""
+
+    capacity: int  # positions per row
+    pages: int  # KV pool pages
+    param_bytes: int  # per device, from the parameters' shardings
+    kv_bytes: int  # per device, from the cache's shardings (page table included)
+
+
+def _sizes(cfg: ModelConfig, shape: EngineShape) -> tuple[int, int, int]:
+    """(prefill chunk, capacity, pages) as Engine computes them."""
+    window = shape.buffer_size * cfg.block_size
+    prefill_chunk = min(shape.prefill_chunk, cfg.max_seq_len)
+    capacity = ModelCache.capacity_for(cfg, max(prefill_chunk, window))
+    page = ModelCache.page_size(cfg)
+    pages = (shape.batch_size * capacity // page if shape.kv_pool_tokens is None
+             else -(-shape.kv_pool_tokens // page))
+    return prefill_chunk, capacity, pages
+
+
+def _abstract_kv(cfg: ModelConfig, mesh: jax.sharding.Mesh, batch: int, capacity: int,
+                 pages: int) -> Any:
+    return _abstract(jax.eval_shape(lambda: ModelCache.allocate(cfg, batch, capacity, pages)),
+                     sharding.cache_shardings(cfg, mesh, batch, capacity, pages))
+
+
+def engine_layout(cfg: ModelConfig, mesh: jax.sharding.Mesh, shape: EngineShape) -> EngineLayout:
+    cfg = dataclasses.replace(cfg, platform=meshlib.platform(mesh))
+    _, capacity, pages = _sizes(cfg, shape)
+    return EngineLayout(capacity, pages, _per_device_bytes(sharding.abstract_params(cfg, mesh)),
+                        _per_device_bytes(_abstract_kv(cfg, mesh, shape.batch_size, capacity,
+                                                       pages)))
+
+
 def compile_engine(cfg: ModelConfig, mesh: jax.sharding.Mesh, shape: EngineShape
                    ) -> dict[str, Program]:
     """{"decode": the all-rows decode loop, "prefill": a prefill_chunk-token call over every
     row} of an engine of `shape` on `mesh`, compiled for the mesh's platform."""
     cfg = dataclasses.replace(cfg, platform=meshlib.platform(mesh))
-    window = shape.buffer_size * cfg.block_size
-    prefill_chunk = min(shape.prefill_chunk, cfg.max_seq_len)
-    capacity = ModelCache.capacity_for(cfg, max(prefill_chunk, window))
-    page = ModelCache.page_size(cfg)
+    prefill_chunk, capacity, n_pages = _sizes(cfg, shape)
     b = shape.batch_size
-    n_pages = (b * capacity // page if shape.kv_pool_tokens is None
-               else -(-shape.kv_pool_tokens // page))
     progs = programs(cfg, mesh, b, capacity, n_pages, shape.buffer_size, False)
     replicated = meshlib.replicated(mesh)
     params = sharding.abstract_params(cfg, mesh)
-    kv = _abstract(jax.eval_shape(lambda: ModelCache.allocate(cfg, b, capacity, n_pages)),
-                   progs.kv_sharding)
+    kv = _abstract_kv(cfg, mesh, b, capacity, n_pages)
     prompts = [np.full(1, cfg.pad_token_id, np.int32)] * b
     decodes = [DecodeConfig(buffer_size=shape.buffer_size)] * b
     host = block_buffer.initial_state(prompts, capacity, cfg.block_size, shape.buffer_size,

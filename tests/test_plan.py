@@ -1,0 +1,67 @@
+"""`mbd-jax plan` compiles an engine for GPUs that are not here and reports what it holds: on one
+H200 the parameters' and the KV pool's bytes are what the shapes give by hand, the verdict
+follows the budget, and bad targets, topologies and meshes are one error line each. Runs the
+command in its own process with the CUDA plugin of .venv/gpu-compile (tests/test_gpu_compile.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mbd_jax.config import load_model_config
+from mbd_jax.config.paths import MODEL_PRESET_DIR
+from mbd_jax.model import sizes
+from tests.test_gpu_compile import PLUGIN_DIR
+from tests.live_server import ROOT
+
+
+def plan(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=f"{PLUGIN_DIR}{os.pathsep}{ROOT}")
+    env.pop("JAX_PLATFORMS", None)  # the command keeps JAX off the (absent) GPU driver itself
+    return subprocess.run([sys.executable, "-m", "mbd_jax", "plan", *args], capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=600)
+
+
+def test_plan_reports_the_bytes_the_shapes_give():
+    assert (PLUGIN_DIR / "jax_plugins").is_dir(), "run `make test` (it installs .venv/gpu-compile)"
+    r = plan("--model", "tiny-moe", "--devices-per-host", "1", "--batch", "4",
+             "--buffer-size", "2", "--prefill-chunk", "64", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout)
+    cfg = load_model_config(MODEL_PRESET_DIR / "tiny-moe.yaml")
+    # by hand: float32 parameters; k and v of every attention layer for every pool position,
+    # and the page table (int32, a row's pages)
+    assert report["param_bytes_per_device"] == 4 * sizes.num_params(cfg)
+    capacity, page = report["capacity"], cfg.attention_chunk
+    positions = 4 * capacity
+    kv = 2 * cfg.num_layers * positions * cfg.num_kv_heads * cfg.head_dim * 4
+    assert report["pages"] == positions // page
+    assert report["kv_bytes_per_device"] == kv + 4 * 4 * (capacity // page)
+    assert capacity % page == 0 and capacity >= cfg.max_seq_len + 64
+    decode = report["programs"]["decode"]
+    assert decode["argument_bytes"] >= report["param_bytes_per_device"] + report["kv_bytes_per_device"]
+    assert decode["total_bytes"] < 0.01 * report["hbm_bytes"] and report["fits"]
+    step = report["decode_step"]
+    assert step["bound"] == "HBM bandwidth" and 0 < step["step_ms"] < 1  # tiny: bytes, not FLOPs
+    assert report["rows_that_fit"] > 4
+    # the same plan against a budget below its program's size: does not fit, exit 1
+    small = plan("--model", "tiny-moe", "--devices-per-host", "1", "--batch", "4",
+                 "--buffer-size", "2", "--prefill-chunk", "64", "--budget", "0.000001")
+    assert small.returncode == 1 and "DOES NOT FIT" in small.stdout, small.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--target", "h300"], "target 'h300': expected one of h100, h200"),
+    (["--devices-per-host", "0"], "argument --devices-per-host: must be >= 1, got 0"),
+    (["--mesh", "expert=3"], "--mesh 'expert=3'"),
+    (["--budget", "2"], "--budget 2.0: expected a share of HBM in (0, 1]"),
+])
+def test_plan_refuses_bad_targets_topologies_and_meshes(args, message):
+    r = plan("--model", "tiny-moe", *args)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len([line for line in r.stderr.splitlines() if line.startswith("error:")
+                or "error:" in line]) == 1, r.stderr
