@@ -24,7 +24,7 @@ from mbd_jax.decoding.block_buffer import DecodeState
 from mbd_jax.engine import admission, checks, results
 from mbd_jax.engine.admission import ROW_PREFILL_MIN, Admission, PrefillCall
 from mbd_jax.engine.host_view import HostViews
-from mbd_jax.engine.page_plan import PagePlan
+from mbd_jax.engine.page_plan import PagePlan, pool_size
 from mbd_jax.engine.pages import PagePool
 from mbd_jax.engine.prefix import PrefixGlue, PrefixHit
 from mbd_jax.engine.programs import prefix_programs
@@ -74,7 +74,6 @@ class Batch:
         self.cfg = cfg = dataclasses.replace(cfg, platform=meshlib.platform(self.mesh))
         self.batch_size = batch_size
         self.buffer_size = buffer_size
-        self.prefill_chunk = min(prefill_chunk, cfg.max_seq_len)
         self.steps_per_call = steps_per_call
         self.row_prefill_min = row_prefill_min
         self.debug = debug
@@ -83,16 +82,12 @@ class Batch:
         # (seconds, decode steps) of the latest decode calls, for benches and metrics (stats())
         self._call_log: collections.deque[tuple[float, int]] = collections.deque(maxlen=RECENT_CALLS)
         self._decode_calls = 0
-        window = buffer_size * cfg.block_size
-        # The model's cache (its layout is the model's business: model/cache.py). A forward
-        # writes at most one decode window or one prefill chunk, starting before max_seq_len.
-        self.capacity = ModelCache.capacity_for(cfg, max(self.prefill_chunk, window))
-        page = ModelCache.page_size(cfg)
-        per_row = self.capacity // page
-        n_pages = batch_size * per_row if kv_pool_tokens is None else -(-kv_pool_tokens // page)
-        if n_pages < 1:
-            raise UserError(f"kv_pool_tokens must be >= 1, got {kv_pool_tokens}")
-        self.pages = PagePool(n_pages, page, batch_size, per_row)
+        # The model's cache (its layout is the model's business: model/cache.py) in a pool of
+        # pages (page_plan.pool_size).
+        size = pool_size(cfg, batch_size, buffer_size, prefill_chunk, kv_pool_tokens)
+        self.prefill_chunk, self.capacity = size.prefill_chunk, size.capacity
+        page, n_pages = size.page, size.pages
+        self.pages = PagePool(n_pages, page, batch_size, self.capacity // page)
         # A model with snapshot kinds (a recurrent state) also needs each row's state at the
         # shared boundary, which pages do not hold: its prompts prefill from their start.
         self.plan = PagePlan(self.pages, cfg, buffer_size,

@@ -22,6 +22,7 @@ import numpy as np
 from mbd_jax.config import DATA_ROOT, DecodeConfig, ModelConfig
 from mbd_jax.decoding import block_buffer
 from mbd_jax.engine import admission
+from mbd_jax.engine.page_plan import pool_size
 from mbd_jax.engine.programs import programs
 from mbd_jax.errors import UserError
 from mbd_jax.model import sharding
@@ -111,14 +112,10 @@ class EngineLayout:
 
 
 def _sizes(cfg: ModelConfig, shape: EngineShape) -> tuple[int, int, int]:
-    """(prefill chunk, capacity, pages) as Engine computes them."""
-    window = shape.buffer_size * cfg.block_size
-    prefill_chunk = min(shape.prefill_chunk, cfg.max_seq_len)
-    capacity = ModelCache.capacity_for(cfg, max(prefill_chunk, window))
-    page = ModelCache.page_size(cfg)
-    pages = (shape.batch_size * capacity // page if shape.kv_pool_tokens is None
-             else -(-shape.kv_pool_tokens // page))
-    return prefill_chunk, capacity, pages
+    """(prefill chunk, capacity, pages) as Engine sizes them (page_plan.pool_size)."""
+    size = pool_size(cfg, shape.batch_size, shape.buffer_size, shape.prefill_chunk,
+                     shape.kv_pool_tokens)
+    return size.prefill_chunk, size.capacity, size.pages
 
 
 def _abstract_kv(cfg: ModelConfig, mesh: jax.sharding.Mesh, batch: int, capacity: int,

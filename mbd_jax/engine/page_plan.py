@@ -8,12 +8,39 @@ length, to the end of their block, plus one decode window), so nothing is alloca
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 from mbd_jax.config import DecodeConfig, ModelConfig
 from mbd_jax.engine import admission
 from mbd_jax.engine.pages import PagePool, page_keys
 from mbd_jax.errors import UserError
+from mbd_jax.model.cache import ModelCache
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSize:
+    """An engine's KV pool: how Engine and the deviceless compile size it."""
+
+    prefill_chunk: int  # the longest prefill call (at most max_seq_len)
+    capacity: int  # positions per row: a forward writes at most one decode window or one
+    # prefill chunk, starting before max_seq_len (ModelCache.capacity_for)
+    page: int  # positions per page
+    pages: int  # pool pages over all rows
+
+
+def pool_size(cfg: ModelConfig, batch_size: int, buffer_size: int, prefill_chunk: int,
+              kv_pool_tokens: int | None) -> PoolSize:
+    """`kv_pool_tokens`: the positions the pool holds over all rows, rounded up to whole pages
+    (None: every row a full context at once)."""
+    prefill_chunk = min(prefill_chunk, cfg.max_seq_len)
+    capacity = ModelCache.capacity_for(cfg, max(prefill_chunk, buffer_size * cfg.block_size))
+    page = ModelCache.page_size(cfg)
+    pages = (batch_size * (capacity // page) if kv_pool_tokens is None
+             else -(-kv_pool_tokens // page))
+    if pages < 1:
+        raise UserError(f"kv_pool_tokens must be >= 1, got {kv_pool_tokens}")
+    return PoolSize(prefill_chunk, capacity, page, pages)
 
 
 class PagePlan:
