@@ -27,15 +27,17 @@ MEASURED: dict[str, dict[str, tuple[str, ...]]] = {
 
 
 def _backend(backend: str | None) -> str:
+    """`backend`, or unset (a config built for no mesh: training, a lone forward) the platform of
+    the first device, the one an engine without a mesh runs on."""
     if backend is None:
         import jax
 
-        backend = jax.default_backend()
+        backend = jax.devices()[0].platform
     return backend
 
 
 def resolve_auto(field: str, value: str, backend: str | None = None) -> str:
-    """What `value` of setting `field` stands for on `backend` (default: JAX's default one).
+    """What `value` of setting `field` stands for on `backend` (default: the first device's).
     `measure` is `auto` wherever no engine warm-up has measured (training, a lone forward, an
     engine before its warm-up)."""
     if value not in ("auto", "measure"):

@@ -143,7 +143,7 @@ class ModelConfig:
     param_dtype: DType = "float32"
     compute_dtype: DType = "float32"
     # The platform the programs are built for ("cpu", "gpu", "tpu"): what `auto` settings stand for
-    # (config/backend.py). None: JAX's default backend. An engine sets it from its mesh's devices,
+    # (config/backend.py). None: the first device's. An engine sets it from its mesh's devices,
     # so a CPU host compiling for a GPU topology traces the GPU program.
     platform: str | None = None
     # Weights: a random init from `seed` (tiny presets, benches) or a checkpoint directory.

@@ -15,6 +15,7 @@ from mbd_jax.engine import admission, expert_paths
 from mbd_jax.engine.admission import PrefillCall, prefill_buckets
 from mbd_jax.engine.host_view import host_tree
 from mbd_jax.engine.pages import page_keys
+from mbd_jax.engine.rows import EngineRequest, StepOutcome
 
 
 def warm_call(engine, t: int, rows: np.ndarray) -> PrefillCall:
@@ -26,8 +27,8 @@ def warm_call(engine, t: int, rows: np.ndarray) -> PrefillCall:
 def warmup(engine, progress: Callable[[str], None] | None = None,
            buckets: Sequence[int] | None = None) -> None:
     """Compiles every program `engine` can run (all prefill buckets, or only `buckets`, the
-    prefix cache's loads and gathers, the row merge, the decode loop over all rows and over one,
-    the host views); `progress` hears about each step."""
+    prefix cache's loads and gathers, the decode loop over all rows and over one through the
+    engine's own step, the row merge, the host views); `progress` hears about each step."""
     say = progress or (lambda message: None)
     t_start = time.perf_counter()
     b, cfg = engine.batch_size, engine.cfg
@@ -50,35 +51,53 @@ def warmup(engine, progress: Callable[[str], None] | None = None,
         rows = 1 if call.row is not None else b
         engine.prefill_seconds_per_token = (time.perf_counter() - t0) / (rows * engine.prefill_chunk)
     say(f"compiling the decode loop ({b} rows, N_buf {engine.buffer_size})")
-    one = (np.array([cfg.pad_token_id], np.int32), DecodeConfig(max_new_tokens=1))
-    for rows in sorted({1, min(2, b)}):  # one running row alone, and all rows (and the merge)
-        state = engine.admit(engine.empty_state(), dict.fromkeys(range(rows), one))
-        state = engine.decode_call(state, 1)
-        engine.release(range(rows))
-    # the host views a decode call's readers fetch (with and without the log-probabilities),
-    # and the whole state that results() fetches: each a packing program (transfer.py)
+    pad = np.array([cfg.pad_token_id], np.int32)
+    for rows in sorted({1, min(2, b)}):  # one running row alone, and all rows
+        run(engine, [EngineRequest(pad, DecodeConfig(max_new_tokens=1), stream=False)
+                     for _ in range(rows)], max_steps=1)
+    # the merge of an admission into running rows (the step skips it when no other row runs),
+    # the host views a decode call's readers fetch (with and without the log-probabilities)
+    # and the whole state results() fetches: each its own program (transfer.py)
+    state = engine.runner.merge(engine.empty_state(), engine.empty_state(), np.zeros(b, bool))
     for tree in (host_tree(state, True), host_tree(state, False), state):
         engine.runner.fetch_rows(tree)
     jax.block_until_ready(engine.kv)
     say(f"warm-up done in {time.perf_counter() - t_start:.1f} s")
 
 
+def check(out: StepOutcome) -> StepOutcome:
+    """A warm-up step that failed fails the warm-up."""
+    if out.error is not None:
+        raise out.error
+    return out
+
+
+def run(engine, requests: list[EngineRequest], max_steps: int | None = None) -> None:
+    """Steps `requests` through the engine until each has finished (warm-up rows)."""
+    waiting = list(requests)
+    while waiting or len(engine.rows):
+        out = check(engine.step(waiting, max_steps))
+        waiting = [r for r in waiting if r not in out.admitted]
+
+
 def choose_expert_paths(engine, say: Callable[[str], None]) -> None:
-    """Runs each decode program on its fastest expert path (expert_paths.py); the timing rows'
-    blocks are not persisted."""
+    """Runs each decode program on its fastest expert path (expert_paths.py), timing engine steps
+    of decoding rows on each; the timing rows' blocks are not persisted."""
     decode = expert_paths.timing_decode(engine.cfg, engine.buffer_size)
     prompt = np.array([engine.cfg.pad_token_id], np.int32)
 
     def time_calls(impl: str, rows: int) -> list[float]:
         engine.use_expert_paths(impl, impl)
-        state = engine.admit(engine.empty_state(), dict.fromkeys(range(rows), (prompt, decode)))
-        state = engine.decode_call(state, expert_paths.STEPS)  # compiles
+        jobs = [EngineRequest(prompt, decode, stream=False) for _ in range(rows)]
+        check(engine.step(jobs, expert_paths.STEPS))  # admits them all; its decode compiles
         seconds = []
         for _ in range(expert_paths.CALLS):
             t = time.perf_counter()
-            state = engine.decode_call(state, expert_paths.STEPS)  # returns once they ran
+            check(engine.step((), expert_paths.STEPS))  # one decode call; returns once it ran
             seconds.append(time.perf_counter() - t)
-        engine.release(range(rows))
+        for job in jobs:
+            engine.end(job)
+        check(engine.step())  # frees their rows
         return seconds
 
     offloader, engine.offloader = engine.offloader, None
