@@ -43,7 +43,8 @@ def test_plan_reports_the_bytes_the_shapes_give():
     assert report["kv_bytes_per_device"] == kv + 4 * 4 * (capacity // page)
     assert capacity % page == 0 and capacity >= cfg.max_seq_len + 64
     decode = report["programs"]["decode"]
-    assert decode["argument_bytes"] >= report["param_bytes_per_device"] + report["kv_bytes_per_device"]
+    held = report["param_bytes_per_device"] + report["kv_bytes_per_device"]
+    assert decode["argument_bytes"] >= held
     assert decode["total_bytes"] < 0.01 * report["hbm_bytes"] and report["fits"]
     step = report["decode_step"]
     assert step["bound"] == "HBM bandwidth" and 0 < step["step_ms"] < 1  # tiny: bytes, not FLOPs

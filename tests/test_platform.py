@@ -8,8 +8,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import pytest
 
-from mbd_jax.config import DecodeConfig, load_model_config
+from mbd_jax.config import (ConfigError, DecodeConfig, ModelConfig, config_dict, from_dict,
+                            load_model_config)
 from mbd_jax.config.paths import MODEL_PRESET_DIR
 from mbd_jax.engine import Engine
 from mbd_jax.model.cache import ModelCache
@@ -51,6 +53,12 @@ def test_a_gpu_build_traces_the_gpu_program_on_a_cpu_host():
     assert _chunk(sm.chunk_size, CFG.block_size, 256, "cpu") == CFG.block_size
     # unset: the first device's platform, the CPU program as before
     assert jax.devices()[0].platform == "cpu" and decode_jaxpr(CFG) == cpu_text
+
+
+def test_a_platform_outside_jax_s_is_refused_at_load():
+    data = {**config_dict(CFG), "platform": "npu"}
+    with pytest.raises(ConfigError, match="platform"):
+        from_dict(ModelConfig, data, where="model.yaml")
 
 
 def test_an_engine_builds_for_its_mesh_platform():

@@ -26,6 +26,7 @@ DType = Literal["float32", "bfloat16", "float16"]
 LayerType = Literal["full_attention", "linear_attention"]
 # How a linear-attention layer reads inside a block (model/delta_rule.py, docs/architecture.md).
 BlockMode = Literal["causal", "bidirectional"]
+Platform = Literal["cpu", "gpu", "tpu"]  # what jax calls a device's platform
 RopeType = Literal["linear", "yarn", "llama3"]  # static rope scalings (model/rope.py)
 
 
@@ -145,7 +146,7 @@ class ModelConfig:
     # The platform the programs are built for ("cpu", "gpu", "tpu"): what `auto` settings stand for
     # (config/backend.py). None: the first device's. An engine sets it from its mesh's devices,
     # so a CPU host compiling for a GPU topology traces the GPU program.
-    platform: str | None = None
+    platform: Platform | None = None
     # Weights: a random init from `seed` (tiny presets, benches) or a checkpoint directory.
     init: Literal["random", "checkpoint", "none"] = "none"
     seed: int = 0

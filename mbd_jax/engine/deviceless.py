@@ -146,8 +146,8 @@ def compile_engine(cfg: ModelConfig, mesh: jax.sharding.Mesh, shape: EngineShape
     prompts = [np.full(1, cfg.pad_token_id, np.int32)] * b
     decodes = [DecodeConfig(buffer_size=shape.buffer_size)] * b
     host = block_buffer.initial_state(prompts, capacity, cfg.block_size, shape.buffer_size,
-                                      cfg.mask_token_id, admission.row_params(cfg, prompts, decodes),
-                                      put=np.asarray)
+                                      cfg.mask_token_id,
+                                      admission.row_params(cfg, prompts, decodes), put=np.asarray)
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
                          host)
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)

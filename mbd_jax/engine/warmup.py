@@ -49,7 +49,8 @@ def warmup(engine, progress: Callable[[str], None] | None = None,
         engine.prefill_call(pads, zeros_b, zeros_b, call)
         jax.block_until_ready(engine.kv)
         rows = 1 if call.row is not None else b
-        engine.prefill_seconds_per_token = (time.perf_counter() - t0) / (rows * engine.prefill_chunk)
+        seconds = time.perf_counter() - t0
+        engine.prefill_seconds_per_token = seconds / (rows * engine.prefill_chunk)
     say(f"compiling the decode loop ({b} rows, N_buf {engine.buffer_size})")
     pad = np.array([cfg.pad_token_id], np.int32)
     for rows in sorted({1, min(2, b)}):  # one running row alone, and all rows
