@@ -184,9 +184,6 @@ class PagedKV:
 
         layers = [jnp.stack([take(k), take(v)], axis=1)  # [n, 2, T, K, Dh]
                   for k, v in (self.layer(i) for i in range(self.num_layers))]
-        if not layers:
-            return jnp.zeros((len(rows), 0, 2, tokens, self.kv_heads, self._pool_shape[3]),
-                             self.dtype)
         return jnp.stack(layers, axis=1)
 
     def rows_view(self) -> tuple[jax.Array, jax.Array]:
