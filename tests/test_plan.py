@@ -1,12 +1,14 @@
 """`mbd-jax plan` compiles an engine for GPUs that are not here and reports what it holds: on one
 H200 the parameters' and the KV pool's bytes are what the shapes give by hand, the verdict
-follows the budget, and bad targets, topologies and meshes are one error line each. Runs the
+follows the budget (a target file of a 2 MB device: does not fit, exit 1), and bad targets,
+topologies and meshes are one error line each. Runs the
 command in its own process with the CUDA plugin of .venv/gpu-compile (tests/test_gpu_compile.py)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -26,7 +28,7 @@ def plan(*args: str) -> subprocess.CompletedProcess:
                           text=True, cwd=ROOT, env=env, timeout=600)
 
 
-def test_plan_reports_the_bytes_the_shapes_give():
+def test_plan_reports_the_bytes_the_shapes_give(tmp_path):
     assert (PLUGIN_DIR / "jax_plugins").is_dir(), "run `make test` (it installs .venv/gpu-compile)"
     r = plan("--model", "tiny-moe", "--devices-per-host", "1", "--batch", "4",
              "--buffer-size", "2", "--prefill-chunk", "64", "--json")
@@ -49,9 +51,12 @@ def test_plan_reports_the_bytes_the_shapes_give():
     step = report["decode_step"]
     assert step["bound"] == "HBM bandwidth" and 0 < step["step_ms"] < 1  # tiny: bytes, not FLOPs
     assert report["rows_that_fit"] > 4
-    # the same plan against a budget below its program's size: does not fit, exit 1
-    small = plan("--model", "tiny-moe", "--devices-per-host", "1", "--batch", "4",
-                 "--buffer-size", "2", "--prefill-chunk", "64", "--budget", "0.000001")
+    # the same engine on a target file whose device holds 2 MB: does not fit, exit 1
+    target = tmp_path / "small.txtpb"
+    target.write_text(re.sub(r"device_memory_size: \d+", "device_memory_size: 2000000",
+                             (ROOT / "configs" / "gpu-targets" / "h200.txtpb").read_text()))
+    small = plan("--model", "tiny-moe", "--target", str(target), "--devices-per-host", "1",
+                 "--batch", "4", "--buffer-size", "2", "--prefill-chunk", "64")
     assert small.returncode == 1 and "DOES NOT FIT" in small.stdout, small.stderr[-2000:]
 
 
