@@ -1,8 +1,8 @@
 """`mbd-jax plan` compiles an engine for GPUs that are not here and reports what it holds: on one
 H200 the parameters' and the KV pool's bytes are what the shapes give by hand, the verdict
 follows the budget (a target file of a 2 MB device: does not fit, exit 1), and bad targets,
-topologies and meshes are one error line each. Runs the
-command in its own process with the CUDA plugin of .venv/gpu-compile (tests/test_gpu_compile.py)."""
+topologies and meshes are one error line each. Runs the command in its own process with the CUDA
+plugin of .venv/gpu-compile (tests/test_gpu_compile.py)."""
 
 from __future__ import annotations
 
