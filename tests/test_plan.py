@@ -65,6 +65,7 @@ def test_plan_reports_the_bytes_the_shapes_give(tmp_path):
     (["--devices-per-host", "0"], "argument --devices-per-host: must be >= 1, got 0"),
     (["--mesh", "expert=3"], "--mesh 'expert=3'"),
     (["--budget", "2"], "--budget 2.0: expected a share of HBM in (0, 1]"),
+    (["--prefill-chunk", "20"], "prefill_chunk (20) must be a positive multiple of block_size"),
 ])
 def test_plan_refuses_bad_targets_topologies_and_meshes(args, message):
     r = plan("--model", "tiny-moe", *args)

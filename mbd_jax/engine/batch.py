@@ -62,9 +62,6 @@ class Batch:
         all-rows program runs the looped path on one CPU device (model/layout.py's
         splits_experts; the engine's copies, so the caller's stacked ones are not needed); False
         keeps them stacked everywhere."""
-        if prefill_chunk < cfg.block_size or prefill_chunk % cfg.block_size:
-            raise UserError(f"prefill_chunk ({prefill_chunk}) must be a positive multiple of "
-                            f"block_size ({cfg.block_size})")
         if batch_size < 1 or buffer_size < 1:
             raise UserError("batch_size and buffer_size must be >= 1")
         compile_stats.install()  # count this engine's compilations from the first one

@@ -33,6 +33,9 @@ def pool_size(cfg: ModelConfig, batch_size: int, buffer_size: int, prefill_chunk
               kv_pool_tokens: int | None) -> PoolSize:
     """`kv_pool_tokens`: the positions the pool holds over all rows, rounded up to whole pages
     (None: every row a full context at once)."""
+    if prefill_chunk < cfg.block_size or prefill_chunk % cfg.block_size:
+        raise UserError(f"prefill_chunk ({prefill_chunk}) must be a positive multiple of "
+                        f"block_size ({cfg.block_size})")
     prefill_chunk = min(prefill_chunk, cfg.max_seq_len)
     capacity = ModelCache.capacity_for(cfg, max(prefill_chunk, buffer_size * cfg.block_size))
     page = ModelCache.page_size(cfg)
