@@ -87,3 +87,19 @@ def test_a_failed_admission_fails_only_its_request(engine):
     good = EngineRequest(prompts(1)[0], DECODE)
     results, _, _ = drive(engine, [good])
     assert results[good.id].token_ids == engine.generate([good.prompt], DECODE)[0].token_ids
+
+
+def test_generate_refuses_while_steps_run_rows_and_a_record_owns_its_pages(engine):
+    """While a stepped request runs, generate() refuses (it would take its row); the row's record
+    holds its KV pages, which are all the pool counts in use and come back when it finishes."""
+    request = EngineRequest(prompts(1)[0], DECODE)
+    engine.step([request])
+    ((_, row),) = engine.rows.items()
+    assert row.request is request and len(row.pages) == engine.pages_needed(request.prompt, DECODE)
+    assert engine.stats().pages_in_use == len(row.pages)
+    with pytest.raises(RuntimeError, match="idle engine"):
+        engine.generate([request.prompt], DECODE)
+    while len(engine.rows):
+        assert engine.step().error is None
+    assert engine.stats().pages_in_use == 0
+    assert len(engine.generate([request.prompt], DECODE)) == 1

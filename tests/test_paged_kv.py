@@ -15,7 +15,7 @@ import pytest
 from mbd_jax import compile_stats
 from mbd_jax.config import DecodeConfig, ServeConfig, ServerConfig
 from mbd_jax.engine import Engine
-from mbd_jax.engine.pages import PagePool, page_keys
+from mbd_jax.engine.pages import PagePool, page_keys, page_table
 from mbd_jax.errors import UserError
 from mbd_jax.serving.metrics import Metrics
 from mbd_jax.serving.request import Request
@@ -49,6 +49,11 @@ def full():
                   share_prefixes=False)
 
 
+def check_pool(engine: Engine) -> None:
+    """The engine's pool accounting agrees with the pages its rows' records hold."""
+    engine.pages.check([row.pages for _, row in engine.rows.items()])
+
+
 @pytest.fixture(scope="module")
 def small():
     """Room for about two requests' pages at a time, out of 4 rows x 17 pages."""
@@ -60,26 +65,31 @@ def small():
 
 def test_page_pool_accounting_under_random_reserve_and_release():
     rng = np.random.default_rng(0)
-    pool = PagePool(num_pages=20, page=PAGE, rows=5, pages_per_row=8)
+    pool = PagePool(num_pages=20, page=PAGE, pages_per_row=8)
+    held: list[list[int]] = [[] for _ in range(5)]  # each row's pages (a row record's)
     for _ in range(2000):
         row = int(rng.integers(5))
         if rng.random() < 0.5:
             tokens = int(rng.integers(1, 8 * PAGE + 1))
-            if pool.pages_for(tokens) <= pool.free + len(pool.held[row]):
-                pool.reserve(row, tokens)
-                assert len(pool.held[row]) == -(-tokens // PAGE)
+            if pool.pages_for(tokens) <= pool.free + len(held[row]):
+                pool.release(held[row])
+                held[row] = pool.reserve(tokens)
+                assert len(held[row]) == -(-tokens // PAGE)
         else:
-            pool.release(row)
-        pool.check()
-        assert pool.in_use == sum(map(len, pool.held)) <= 20
+            pool.release(held[row])
+            held[row] = []
+        pool.check(held)
+        assert pool.in_use == sum(map(len, held)) <= 20
+    table = page_table(dict(enumerate(held)), 5, 8, 20)
+    for row, pages in enumerate(held):
+        assert table[row, : len(pages)].tolist() == pages and (table[row, len(pages):] == 20).all()
     for row in range(5):
-        pool.release(row)
-    pool.check()
-    assert pool.free == 20 and not pool.refs.any() and (pool.table == 20).all()
-    pool.held[0] = [3]  # a page held but also on the free list: the check sees it
-    pool.refs[3] = 1
+        pool.release(held[row])
+    pool.check([])
+    assert pool.free == 20 and not pool.refs.any()
+    pool.refs[3] = 1  # a page held but also on the free list: the check sees it
     with pytest.raises(AssertionError):
-        pool.check()
+        pool.check([[3]])
 
 
 def test_small_pool_decodes_like_the_full_pool_under_a_random_request_stream(full, small):
@@ -105,7 +115,7 @@ def test_small_pool_decodes_like_the_full_pool_under_a_random_request_stream(ful
         if admit:
             state = small.admit(state, {row: work[i] for row, i in admit.items()})
             running.update(admit)
-        small.pages.check()
+        check_pool(small)
         peak = max(peak, small.pages.in_use)
         if running and rng.random() < 0.1:  # a client goes away
             row = int(rng.choice(list(running)))
@@ -119,7 +129,7 @@ def test_small_pool_decodes_like_the_full_pool_under_a_random_request_stream(ful
             host = small.host_view(state)
             got[running.pop(row)] = small.result_of(host, row, 0.0).token_ids
         small.release(finished)
-        small.pages.check()
+        check_pool(small)
     assert compile_stats.compiles() == before
     assert small.prefix_hit_tokens > 0  # some requests mapped another's prompt pages
     assert peak <= small.pages.num_pages == 7 and small.pages.in_use == 0
@@ -187,7 +197,7 @@ def test_service_queue_waits_for_pages_and_loses_nothing(full, small):
     assert [e[0] for e in events] == ["done"] * 6
     assert [e[1].token_ids for e in events] == [r.token_ids for r in reference]
     assert small.pages.in_use == 0
-    small.pages.check()
+    check_pool(small)
 
 
 def test_page_pool_prefix_index_under_random_streams():
@@ -195,7 +205,8 @@ def test_page_pool_prefix_index_under_random_streams():
     free or cached (never two), counts equal holders, a cached page is reused by a hit and
     evicted oldest first when pages run out, and everything returns at the end."""
     rng = np.random.default_rng(5)
-    pool = PagePool(num_pages=24, page=PAGE, rows=5, pages_per_row=8)
+    pool = PagePool(num_pages=24, page=PAGE, pages_per_row=8)
+    held: list[list[int]] = [[] for _ in range(5)]
     prefixes = [np.random.default_rng(i).integers(5, 300, 4 * PAGE) for i in range(3)]
     hits = 0
     for _ in range(3000):
@@ -204,36 +215,37 @@ def test_page_pool_prefix_index_under_random_streams():
             prompt = np.concatenate([prefixes[int(rng.integers(3))][: int(rng.integers(0, 4 * PAGE))],
                                      rng.integers(5, 300, int(rng.integers(1, 2 * PAGE)))])
             keys = page_keys(prompt, PAGE, len(prompt) // 8 * 8)
-            pool.release(row)
+            pool.release(held[row])
+            held[row] = []
             shared = pool.lookup(keys)
             tokens = int(len(prompt) + rng.integers(1, 2 * PAGE))
             if pool.pages_for(tokens) < len(shared) or pool.cost(tokens, shared) > pool.free:
                 continue
             hits += len(shared) > 0
             free_before = pool.free
-            pool.reserve(row, tokens, shared=shared)
+            held[row] = pool.reserve(tokens, shared=shared)
             assert pool.free == free_before - pool.cost(tokens, []) + len(shared) - sum(
                 1 for p in shared if pool.refs[p] == 1)  # the cost it was quoted
-            assert pool.held[row][: len(shared)] == shared
-            pool.register(row, keys)
+            assert held[row][: len(shared)] == shared
+            pool.register(held[row], keys)
         else:
-            pool.release(row)
-        pool.check()
+            pool.release(held[row])
+            held[row] = []
+        pool.check(held)
     assert hits > 100
     for row in range(5):
-        pool.release(row)
-    pool.check()
+        pool.release(held[row])
+    pool.check([])
     assert pool.in_use == 0 and pool.free == 24 and not pool.refs.any()
     # eviction eats a cached prefix from its end: what stays is still reachable
-    pool = PagePool(num_pages=6, page=PAGE, rows=2, pages_per_row=6)
+    pool = PagePool(num_pages=6, page=PAGE, pages_per_row=6)
     keys = page_keys(prefixes[0], PAGE, 4 * PAGE)
-    pool.reserve(0, 4 * PAGE)
-    pool.register(0, keys)
-    pages = list(pool.held[0])
-    pool.release(0)
+    pages = pool.reserve(4 * PAGE)
+    pool.register(pages, keys)
+    pool.release(pages)
     assert pool.cached == 4 and pool.lookup(keys) == pages
-    pool.reserve(1, 4 * PAGE)  # 2 free pages, then the 2 oldest cached: the prefix's last two
-    pool.check()
+    other = pool.reserve(4 * PAGE)  # 2 free pages, then the 2 oldest cached: the prefix's last two
+    pool.check([other])
     assert pool.lookup(keys) == pages[:2] and pool.cached == 2
 
 
@@ -254,28 +266,28 @@ def test_a_shared_prefix_is_held_once_and_decodes_like_no_sharing():
     want = [r.token_ids for r in plain.generate([p for p, _ in work], [d for _, d in work])]
     eng = Engine(cfg, params, batch_size=4, buffer_size=2, prefill_chunk=64)
     state = eng.admit(eng.empty_state(), {0: work[0]})
-    shared = eng.pages.held[0][:3]
+    shared = eng.rows[0].pages[:3]
     assert eng.pages.index and eng.prefix_hit_tokens == 0
     own = {0: eng.pages_needed(*work[0])}
     assert eng.pages_to_admit(*work[1]) == eng.pages_needed(*work[1]) - 3
     state = eng.admit(state, {r: work[r] for r in (1, 2, 3)})
     for r in (1, 2, 3):
-        assert eng.pages.held[r][:3] == shared
+        assert eng.rows[r].pages[:3] == shared
         own[r] = eng.pages_needed(*work[r]) - 3
     assert eng.pages.refs[shared].tolist() == [4, 4, 4]
     assert eng.pages.in_use == sum(own.values())  # the prefix counted once
     assert eng.prefix_hit_tokens == 3 * 3 * PAGE
-    eng.pages.check()
+    check_pool(eng)
     state = eng.run_decode(state)
     host = jax.device_get(state)
     assert [eng.result_of(host, r, 0.0).token_ids for r in range(4)] == want[:4]
     eng.release(range(4))
     assert eng.pages.cached == 3 + 0 and eng.pages.in_use == 0  # only whole prompt pages cached
     state = eng.admit(eng.empty_state(), {2: work[4]})
-    assert eng.pages.held[2][:3] == shared and eng.prefix_hit_tokens == 4 * 3 * PAGE
+    assert eng.rows[2].pages[:3] == shared and eng.prefix_hit_tokens == 4 * 3 * PAGE
     state = eng.run_decode(state)
     assert eng.result_of(jax.device_get(state), 2, 0.0).token_ids == want[4]
-    eng.pages.check()
+    check_pool(eng)
 
     # Admitted together (generate's one batch; a burst at the service): the first prompt is
     # prefilled, the others wait for it and then map its pages instead of prefilling copies.
@@ -291,7 +303,7 @@ def test_a_shared_prefix_is_held_once_and_decodes_like_no_sharing():
             got = [e[1].token_ids for e in serve(eng, work[:4])]
         assert got == want[:4], run
         assert eng.pool_hit_tokens - hits == 3 * 3 * PAGE, run
-        eng.pages.check()
+        check_pool(eng)
 
 
 def test_an_8k_context_on_a_one_request_pool_equals_dense_attention():
@@ -324,7 +336,7 @@ def test_an_8k_context_on_a_one_request_pool_equals_dense_attention():
                    kv_pool_tokens=n + 256)
     assert paged.pages.num_pages < paged.pages.pages_per_row * 2
     got = first_logits(cfg, paged)
-    assert len(paged.pages.held[1]) == paged.pages_needed(prompt, decode)
+    assert len(paged.rows[1].pages) == paged.pages_needed(prompt, decode)
     dense_cfg = dataclasses.replace(cfg, attention_impl="dense")
     want = first_logits(dense_cfg, Engine(dense_cfg, params, batch_size=2, prefill_chunk=2048))
     np.testing.assert_allclose(got, want, atol=1e-4)

@@ -16,6 +16,7 @@ from mbd_jax.cache.prefix_store import PrefixStore, block_keys, state_key
 from mbd_jax.config import DecodeConfig
 from mbd_jax.engine import Engine
 from mbd_jax.engine.pages import page_keys
+from mbd_jax.engine.rows import EngineRequest
 from mbd_jax.model.cache import ModelCache
 from mbd_jax.model.forward_meta import ForwardMeta
 from mbd_jax.model.transformer import Transformer
@@ -321,6 +322,30 @@ def test_blocks_reach_the_store_when_the_engine_goes_idle():
     assert store.stats.hits == 4
 
 
+def test_a_released_rows_unstaged_blocks_are_never_stored_from_a_stale_table():
+    """One block staged per call, so a short request finishes with most of its blocks not yet
+    staged while a long one keeps decoding: those blocks are not persisted after its row is
+    released (its pages were given back; reading them through the row's cleared table gave
+    zeros), and what was stored serves a hit whose logits equal a cold prefill's."""
+    cfg, params = tiny_cfg(), tiny_params()
+    store = PrefixStore("tiny", 8, ram_bytes=1 << 24)
+    engine = Engine(cfg, params, batch_size=2, buffer_size=2, prefill_chunk=32,
+                    prefix_store=store, offload_blocks_per_call=1)
+    engine.steps_per_call = 4
+    rng = np.random.default_rng(12)
+    short, long = (rng.integers(10, 500, size=n).tolist() for n in (131, 35))  # 16, 4 blocks
+    engine.generate([short, long], [DecodeConfig(buffer_size=2, max_new_tokens=8),
+                                    DecodeConfig(buffer_size=2, max_new_tokens=120)])
+    engine.offloader.flush()
+    stored = [k for k in store.keys(short) if k in store]
+    assert 0 < len(stored) < 16, stored  # some of its prompt blocks were staged before it ended
+    for key in list(store._ram):
+        assert np.abs(store.get(key)).max() > 0, "a block of zeros was stored"
+    cold = make_engine()
+    np.testing.assert_array_equal(first_step_logits(engine, short),
+                                  first_step_logits(cold, short))
+
+
 def test_a_resend_finds_blocks_still_on_their_way_to_the_store():
     """The drain thread is slow here (every store write waits on a gate the test holds shut), so
     the blocks of the first reply are staged but not stored when the same prompt comes again:
@@ -355,8 +380,8 @@ def test_a_lookup_is_counted_once_whether_prefetched_or_not():
     cold, warm = (rng.integers(10, 500, size=35).tolist() for _ in range(2))  # 4 full blocks
 
     def admit(row, prompt, prefetch):  # as the scheduler does
-        adm = engine.begin_admit({row: (prompt, DecodeConfig())},
-                                 prefetched={row: engine.prefetch(prompt)} if prefetch else None)
+        hit = engine.prefetch(prompt) if prefetch else None
+        adm = engine.begin_admit({row: EngineRequest(prompt, DecodeConfig(), prefix=hit)})
         while not engine.prefill_step(adm):
             pass
         engine.finish_admit(engine.empty_state(), adm)
@@ -397,7 +422,7 @@ def test_the_store_serves_what_the_pool_evicted():
     assert engine.generate([a], d)[0].token_ids == cold[2]
     assert engine.prefix_hit_tokens - served == 200  # a's 25 full blocks: none prefilled
     assert store.stats.hits - hits == 200 // 8 - 64 // 8  # all but the pool's one page
-    engine.pages.check()
+    engine.pages.check([row.pages for _, row in engine.rows.items()])
 
 
 def test_warm_engine_with_a_cache_compiles_nothing_new():

@@ -32,13 +32,21 @@ import collections
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
 from mbd_jax.cache.prefix_store import PrefixStore, state_key
+
+
+@dataclasses.dataclass
+class OffloadProgress:
+    """One row's persistence so far (kept in the row's record, engine/rows.py)."""
+
+    blocks: int = 0  # its leading committed blocks already staged (or already in the store)
+    keys: list[str] = dataclasses.field(default_factory=list)  # its blocks' chained keys so far
 
 
 @dataclasses.dataclass
@@ -67,7 +75,7 @@ class OffloadStats:
 
 class KVOffloader:
     def __init__(self, store: PrefixStore, gather: Callable[..., jax.Array], empty: Callable[[], jax.Array],
-                 batch_size: int, max_blocks: int,
+                 max_blocks: int,
                  states: tuple[Callable[..., jax.Array], Callable[[], jax.Array]] | None = None):
         """gather(staging, kv, rows[n], starts[n]) -> staging (jitted, staging donated);
         empty() -> a zero staging buffer; `states` (a model with recurrent state):
@@ -84,8 +92,6 @@ class KVOffloader:
         self._next = 0  # the staging buffer the next call fills
         self._last: _Staged | None = None  # the most recently staged
         self._calls = 0
-        self.offloaded = np.zeros(batch_size, np.int64)  # per row: blocks already in the store
-        self._row_keys: list[list[str]] = [[] for _ in range(batch_size)]  # per row, so far
         self.stats = OffloadStats()
         # (what, call, time) of the latest events: the overlap timeline (tests, debugging)
         self.events: collections.deque[tuple[str, int, float]] = collections.deque(maxlen=4096)
@@ -109,20 +115,17 @@ class KVOffloader:
             self._state_buffers[0] = self._gather_states(self._state_buffers[0], kv, rows)
             jax.block_until_ready(self._state_buffers[0])
 
-    def reset_row(self, row: int, blocks_present: int) -> None:
-        """A new request took `row`; its first `blocks_present` blocks came from the store."""
-        self.offloaded[row] = blocks_present
-        self._row_keys[row] = []
-
     def decode_issued(self) -> None:
         """The engine dispatched a decode call (for the overlap timeline)."""
         self._event("decode", self._calls)
 
     def after_commit(self, kv: Any, cached_len: np.ndarray, canvas: np.ndarray,
+                     progress: Sequence[OffloadProgress | None],
                      finished: np.ndarray | None = None, prefill: bool = False) -> None:
         """Engine thread, right after a call that committed blocks (a decode call; a hybrid's
-        prefill round, `prefill`): stage the blocks each row committed since (free rows have
-        none), then hand the previous staging buffer to the drain thread. A hybrid's state
+        prefill round, `prefill`): stage the blocks each row committed since its `progress`
+        (advanced here; None: a free row, or one whose blocks are not persisted), then hand
+        the previous staging buffer to the drain thread. A hybrid's state
         snapshots: every row of a prefill round, the `finished` rows ([B] bool) of a decode
         call. A prefill round waits for a staging buffer when both are still draining (counted
         in blocking_waits) instead of deferring: a later call could not take its snapshots."""
@@ -139,13 +142,16 @@ class KVOffloader:
             old.drained.wait()  # handed over already: it was staged before the last staging
         rows, starts, keys = [], [], []
         state_rows, state_keys = [], []
-        for row in range(len(cached_len)):
+        # the rows that finished first: their blocks get no later call (the row is released)
+        order = range(len(progress)) if finished is None else np.argsort(~finished, kind="stable")
+        for row in map(int, order):
+            done = progress[row]
             done_blocks = int(cached_len[row]) // self.block_size
-            first = int(self.offloaded[row])
-            if done_blocks <= first:
+            if done is None or done_blocks <= done.blocks:
                 continue
-            row_keys = self._row_keys[row] = self.store.keys(
-                canvas[row, : done_blocks * self.block_size], self._row_keys[row])
+            first = done.blocks
+            row_keys = done.keys = self.store.keys(canvas[row, : done_blocks * self.block_size],
+                                                    done.keys)
             take = min(done_blocks, first + self.max_blocks - len(rows))
             for b in range(first, take):
                 if row_keys[b] in self.store:  # e.g. blocks another request already stored
@@ -153,7 +159,7 @@ class KVOffloader:
                 rows.append(row)
                 starts.append(b * self.block_size)
                 keys.append(row_keys[b])
-            self.offloaded[row] = take
+            done.blocks = take
             # the row's state is the one after its committed blocks: a snapshot of the boundary
             # this call stages up to, when that is where its blocks end (prompts, replies)
             if (self._gather_states is not None and take == done_blocks

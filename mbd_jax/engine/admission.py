@@ -66,19 +66,11 @@ class PrefillCall:
 
 @dataclasses.dataclass
 class Admission:
-    """Requests being admitted into rows: their fresh state and how far their prefill got."""
+    """Requests being admitted into rows: which rows, and their fresh decode state (how far each
+    row's prefill got is in its record, rows.py)."""
 
     rows: np.ndarray  # [B] bool, the admitted rows
-    prompts: list[np.ndarray]
-    full_len: np.ndarray  # [B] full prompt blocks to prefill per row
     fresh: DecodeState
-    start: np.ndarray  # [B] prompt positions [0, start) of each row are in the KV pool
-    keys: dict[int, list[bytes]] = dataclasses.field(default_factory=dict)  # each row's prompt
-    # page keys (engine/pages.py), indexed once the prefill is done
-
-    @property
-    def prefilled(self) -> bool:
-        return not (self.rows & (self.full_len > self.start)).any()
 
 
 def full_blocks(prompts: list[np.ndarray], rows: np.ndarray, block_size: int) -> np.ndarray:

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from mbd_jax import compile_stats
+from mbd_jax.cache.offload import OffloadProgress
 from mbd_jax.cache.prefix_store import PrefixStore
 from mbd_jax.config import DecodeConfig, ModelConfig
 from mbd_jax.decoding import block_buffer
@@ -25,10 +26,11 @@ from mbd_jax.engine import admission, checks, results
 from mbd_jax.engine.admission import ROW_PREFILL_MIN, Admission, PrefillCall
 from mbd_jax.engine.host_view import HostViews
 from mbd_jax.engine.page_plan import PagePlan, pool_size
-from mbd_jax.engine.pages import PagePool
+from mbd_jax.engine.pages import PagePool, page_table
 from mbd_jax.engine.prefix import PrefixGlue, PrefixHit
 from mbd_jax.engine.programs import prefix_programs
 from mbd_jax.engine.results import GenerationResult
+from mbd_jax.engine.rows import EngineRequest, Row, RowTable
 from mbd_jax.engine.runner import Runner
 from mbd_jax.engine.stats import RECENT_CALLS, EngineStats
 from mbd_jax.errors import UserError
@@ -84,7 +86,8 @@ class Batch:
         size = pool_size(cfg, batch_size, buffer_size, prefill_chunk, kv_pool_tokens)
         self.prefill_chunk, self.capacity = size.prefill_chunk, size.capacity
         page, n_pages = size.page, size.pages
-        self.pages = PagePool(n_pages, page, batch_size, self.capacity // page)
+        self.pages = PagePool(n_pages, page, self.capacity // page)
+        self.rows = RowTable(batch_size)  # one record per busy row: all the host knows of it
         # A model with snapshot kinds (a recurrent state) also needs each row's state at the
         # shared boundary, which pages do not hold: its prompts prefill from their start.
         self.plan = PagePlan(self.pages, cfg, buffer_size,
@@ -93,7 +96,7 @@ class Batch:
         self.runner = Runner(cfg, params, self.mesh, batch_size=batch_size,
                              buffer_size=buffer_size, capacity=self.capacity, n_pages=n_pages,
                              debug=debug, split_experts=split_experts)
-        self.runner.set_table(self.pages.table)
+        self.runner.set_table(self._page_table())
         self.moe_timings: dict[str, dict[str, float]] = {}  # measure: ms per step, per program
         self.views = HostViews(self.runner.fetch_rows)  # the decode state on the host
         self.prefix_store = prefix_store
@@ -104,7 +107,7 @@ class Batch:
             prefix_store, cfg, self.kv.block_dtype,
             prefix_programs(cfg, self.mesh, batch_size, self.capacity, n_pages,
                             np.dtype(self.kv.block_dtype).name, offload_blocks_per_call),
-            self.runner.put, batch_size, offload_blocks_per_call, self.prefill_chunk, self._bucket)
+            self.runner.put, offload_blocks_per_call, self.prefill_chunk, self._bucket)
         self.offloader = None if self.prefix is None else self.prefix.offloader
 
     @property
@@ -151,54 +154,80 @@ class Batch:
         pool_hit = len(self.plan.prefix_pages(prompt)[1]) * self.pages.page  # the store's start
         return self.prefix.prefetch(prompt, after=pool_hit)
 
-    def begin_admit(self, requests: dict[int, tuple[Sequence[int], DecodeConfig]],
-                    prefetched: dict[int, PrefixHit | None] | None = None) -> Admission:
-        """Starts admitting requests into free rows {row: (prompt ids, decode)}: validates them and
-        builds their fresh state; prompt blocks found in the prefix store (`prefetched` per row, or
-        looked up now) are copied into the row. Then `prefill_step` until it returns True, then
+    def begin_admit(self, requests: dict[int, EngineRequest | tuple[Sequence[int], DecodeConfig]]
+                    ) -> Admission:
+        """Starts admitting requests into rows {row: request, or (prompt ids, decode)}: validates
+        them, gives each row its record (a busy row's old one is released first) with its KV
+        pages, mapping a prompt prefix the pool holds instead of prefilling it, copies prompt
+        blocks found in the prefix store into the row (a request's prefetched hit, or looked up
+        now), and builds their fresh state. Then `prefill_step` until it returns True, then
         `finish_admit`. Decode calls may run between the steps: the other rows keep their state
         and KV."""
-        rows = np.zeros(self.batch_size, bool)
-        prompts, decodes = self.blank_rows()
-        for row, (prompt, decode) in requests.items():
-            self.check_prompt(prompt)
-            self.check_decode(decode)
-            self.check_fits(prompt, decode)
-            rows[row], prompts[row], decodes[row] = True, np.asarray(prompt, np.int32), decode
-        for row in requests:  # the rows' old pages back first, then every row's new ones
-            self.pages.release(row)
-        if sum(self.plan.pages_to_admit(prompts[r], decodes[r]) for r in requests) > self.pages.free:
+        requests = {row: r if isinstance(r, EngineRequest) else EngineRequest(*r)
+                    for row, r in requests.items()}
+        for r in requests.values():
+            self.check_prompt(r.prompt)
+            self.check_decode(r.decode)
+            self.check_fits(r.prompt, r.decode)
+        self.release([row for row in requests if row in self.rows])
+        if sum(self.plan.pages_to_admit(r.prompt, r.decode) for r in requests.values()) > self.pages.free:
             raise RuntimeError("KV pool: admitted requests need more pages than are free (the "
                                "caller checks pages_to_admit against pages.free)")
-        start = np.zeros(self.batch_size, np.int32)
-        keys = {}
-        for row in requests:  # a prefix in the pool is mapped, not prefilled
-            keys[row], hit = self.plan.prefix_pages(prompts[row])
-            self.pages.reserve(row, self.plan.positions_held(prompts[row], decodes[row]), shared=hit)
-            start[row] = len(hit) * self.pages.page
-        self.pool_hit_tokens += int(start.sum())
-        self.runner.set_table(self.pages.table)
-        if self.prefix is not None:
-            for row in requests:  # the store serves what the pool missed, after its pages
-                self.kv, start[row] = self.prefix.load(self.kv, row, prompts[row],
-                                                        (prefetched or {}).get(row),
-                                                        after=int(start[row]))
-        self.prefix_hit_tokens += int(start.sum())
-        full_len = admission.full_blocks(prompts, rows, self.cfg.block_size)
-        return Admission(rows=rows, prompts=prompts, full_len=full_len,
-                         fresh=self.initial_state(prompts, decodes, done=~rows), start=start,
-                         keys=keys)
+        try:
+            return self._admit_rows(requests)
+        except BaseException:  # nothing half-admitted stays: the rows are free again
+            self.release(list(requests))
+            raise
+
+    def _admit_rows(self, requests: dict[int, EngineRequest]) -> Admission:
+        """begin_admit's work once the requests were checked."""
+        admitted = np.zeros(self.batch_size, bool)
+        prompts, decodes = self.blank_rows()
+        for index, request in requests.items():
+            row = Row(request)
+            self.rows.add(index, row)
+            prompt = row.prompt
+            row.page_keys, hit = self.plan.prefix_pages(prompt)
+            row.pages = self.pages.reserve(self.plan.positions_held(prompt, request.decode),
+                                           shared=hit)
+            row.prefilled = len(hit) * self.pages.page
+            row.prefill_end = len(prompt) // self.cfg.block_size * self.cfg.block_size
+            self.pool_hit_tokens += row.prefilled
+            admitted[index], prompts[index], decodes[index] = True, prompt, request.decode
+        self.runner.set_table(self._page_table())
+        for index, request in requests.items():
+            row = self.rows[index]
+            if self.prefix is not None:  # the store serves what the pool missed, after its pages
+                self.kv, row.prefilled = self.prefix.load(self.kv, index, row.prompt,
+                                                          request.prefix, after=row.prefilled)
+                if request.persist:
+                    row.offload = OffloadProgress(row.prefilled // self.cfg.block_size)
+            request.cached_tokens = row.prefilled
+            self.prefix_hit_tokens += row.prefilled
+        return Admission(rows=admitted, fresh=self.initial_state(prompts, decodes, done=~admitted))
 
     def prefill_step(self, adm: Admission) -> bool:
         """The next prefill chunk of every admitted row with prompt blocks left; True once all
         its prompt blocks are written."""
-        calls, after = self.next_round(adm.full_len, adm.start, adm.rows)
+        prompts, end, start = self._prefill_progress(adm)
+        calls, after = self.next_round(end, start, adm.rows)
         for call in calls:
-            self.prefill_call(adm.prompts, adm.full_len, adm.start, call)
-        adm.start = after
+            self.prefill_call(prompts, end, start, call)
+        for index in np.flatnonzero(adm.rows):
+            self.rows[index].prefilled = int(after[index])
         if calls and self.offloader is not None and self.prefix.snapshots:
-            self._stage_prefilled(adm)
-        return adm.prefilled
+            self._stage_prefilled(adm, prompts, after)
+        return not (adm.rows & (end > after)).any()
+
+    def _prefill_progress(self, adm: Admission) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+        """The admission's prompts, prefill ends and prefilled positions per row ([B] each; free
+        rows: a placeholder and 0), from the rows' records."""
+        prompts = self.blank_rows()[0]
+        end, start = np.zeros(self.batch_size, np.int32), np.zeros(self.batch_size, np.int32)
+        for index in np.flatnonzero(adm.rows):
+            row = self.rows[index]
+            prompts[index], end[index], start[index] = row.prompt, row.prefill_end, row.prefilled
+        return prompts, end, start
 
     def finish_admit(self, state: DecodeState, adm: Admission) -> DecodeState:
         """Merges the admitted rows' fresh state into the running state (one compiled program)."""
@@ -206,8 +235,9 @@ class Batch:
         return self.runner.merge(state, adm.fresh, adm.rows)
 
     def admit(self, state: DecodeState | None,
-              requests: dict[int, tuple[Sequence[int], DecodeConfig]]) -> DecodeState:
-        """Starts requests in free rows at once (begin_admit, every prefill step, finish_admit).
+              requests: dict[int, EngineRequest | tuple[Sequence[int], DecodeConfig]]
+              ) -> DecodeState:
+        """Starts requests in rows at once (begin_admit, every prefill step, finish_admit).
         `state` None: no row is running, so the admission's own state (its other rows free) is
         the new state, with no empty state to build and merge into."""
         adm = self.begin_admit(requests)
@@ -220,21 +250,23 @@ class Batch:
 
     def _index_prompts(self, adm: Admission) -> None:
         """The admitted prompts are prefilled: their whole pages join the pool's prefix index."""
-        for row, keys in adm.keys.items():
-            self.pages.register(row, keys)
+        for index in np.flatnonzero(adm.rows):
+            row = self.rows[index]
+            self.pages.register(row.pages, row.page_keys)
 
-    def _stage_prefilled(self, adm: Admission) -> None:
+    def _stage_prefilled(self, adm: Admission, prompts: list[np.ndarray], prefilled: np.ndarray
+                         ) -> None:
         """Rows of a model with snapshot kinds after a prefill round: the prompt blocks written
-        so far go to the prefix store with a snapshot of the state after them. A row's state exists only at its
-        committed end, so this is where prompts get snapshots: one per round (every
-        prefill_chunk tokens of a long prompt, and the prompt's last full block), before the
-        first decode call commits past them."""
+        so far go to the prefix store with a snapshot of the state after them. A row's state
+        exists only at its committed end, so this is where prompts get snapshots: one per round
+        (every prefill_chunk tokens of a long prompt, and the prompt's last full block), before
+        the first decode call commits past them."""
         admitted = np.flatnonzero(adm.rows)
-        canvas = np.zeros((self.batch_size, max(len(adm.prompts[r]) for r in admitted)), np.int32)
+        canvas = np.zeros((self.batch_size, max(len(prompts[r]) for r in admitted)), np.int32)
         for r in admitted:
-            canvas[r, : len(adm.prompts[r])] = adm.prompts[r]
-        self.offloader.after_commit(self.kv, np.where(adm.rows, adm.start, 0), canvas,
-                                    prefill=True)
+            canvas[r, : len(prompts[r])] = prompts[r]
+        progress = [self.rows[i].offload if adm.rows[i] else None for i in range(self.batch_size)]
+        self.offloader.after_commit(self.kv, prefilled, canvas, progress, prefill=True)
 
     def prefill_call(self, prompts: list[np.ndarray], full_len: np.ndarray, start: np.ndarray,
                       call: PrefillCall) -> None:
@@ -296,7 +328,9 @@ class Batch:
         self._decode_calls += 1
         if self.offloader is not None:  # stage what this call committed; drain the last call's
             host = self.views.view(state)
-            self.offloader.after_commit(self.kv, host.cached_len, host.canvas, host.done)
+            progress = [self.rows[i].offload if i in self.rows else None
+                        for i in range(self.batch_size)]
+            self.offloader.after_commit(self.kv, host.cached_len, host.canvas, progress, host.done)
         if self.debug:
             violations = jax.device_get(state.violations)
             if np.any(violations):
@@ -319,14 +353,20 @@ class Batch:
         return state.replace(done=self.runner.put(done))
 
     def release(self, rows: Sequence[int]) -> None:
-        """Gives back the KV pages of finished rows (their results were read): the pool is
-        what the running requests need. A released row's writes go nowhere until it is
-        admitted again."""
-        held = [int(row) for row in rows if self.pages.held[int(row)]]
-        for row in held:
-            self.pages.release(row)
-        if held:
-            self.runner.set_table(self.pages.table)
+        """Frees rows (finished: their results were read; cancelled; failed): their records go,
+        with their KV pages, so the pool is what the running requests need. A released row's
+        writes go nowhere until it is admitted again, and its blocks not yet staged for the
+        prefix store are not persisted (its pages may hold another row's by then)."""
+        freed = [self.rows.pop(int(index)) for index in rows if int(index) in self.rows]
+        for row in freed:
+            self.pages.release(row.pages)
+        if freed:
+            self.runner.set_table(self._page_table())
+
+    def _page_table(self) -> np.ndarray:
+        """[B, pages per row] the pool page of each row's logical page, from the rows' records."""
+        return page_table({i: row.pages for i, row in self.rows.items()}, self.batch_size,
+                          self.pages.pages_per_row, self.pages.num_pages)
 
     def buffers_intact(self, state: DecodeState | None) -> bool:
         """Whether the KV pool and `state` still hold their device memory (a call that failed
@@ -336,12 +376,10 @@ class Batch:
     def reset_buffers(self) -> None:
         """A fresh, empty KV pool and page accounting (after a failure lost the old pool); every
         row is free and no prefix page is cached (the old ones are gone with the buffer)."""
-        self.pages.clear(self.batch_size)
-        self.runner.reset(self.pages.table)
+        self.pages.clear()
+        self.rows = RowTable(self.batch_size)
+        self.runner.reset(self._page_table())
         self.views.forget()
-        if self.offloader is not None:
-            for row in range(self.batch_size):
-                self.offloader.reset_row(row, 0)
 
     # ---------------------------------------------------------------- reads
     def host_view(self, state: DecodeState, logprobs: bool = False) -> DecodeState:

@@ -27,7 +27,7 @@ from mbd_jax.engine import warmup
 from mbd_jax.engine.admission import Admission
 from mbd_jax.engine.batch import Batch
 from mbd_jax.engine.results import GenerationResult
-from mbd_jax.engine.rows import EngineRequest, Row, RowEvent, RowTable, StepOutcome
+from mbd_jax.engine.rows import EngineRequest, Row, RowEvent, StepOutcome
 from mbd_jax.errors import UserError
 from mbd_jax.parallel import multihost
 
@@ -37,7 +37,6 @@ class Engine(Batch):
         """`options`: Batch's (batch.py: rows, buffer, prefill chunk, KV pool, prefix store,
         mesh, ...)."""
         super().__init__(cfg, params, **options)
-        self.rows = RowTable(self.batch_size)  # one record per busy row
         self._state: DecodeState | None = None  # the running rows' decode state
         self._admission: Admission | None = None  # the admission in progress
 
@@ -64,9 +63,11 @@ class Engine(Batch):
             self.check_prompt(p, where=f"prompt[{i}]")
             self.check_decode(d, where=f"decoding[{i}]")
             self.check_fits(p, d, where=f"decoding[{i}]")
-        if len(self.rows):
-            raise RuntimeError("generate needs an idle engine (its rows are busy)")
-        self.release(range(self.batch_size))  # generate owns every row (the last call's too)
+        if self._admission is not None or (self._state is not None
+                                           and not self.done_rows(self._state).all()):
+            raise RuntimeError("generate needs an idle engine (its steps are running rows)")
+        self.release(range(self.batch_size))  # generate owns every row (rows admitted one call
+        # at a time, admit / decode_call, are the caller's: theirs end here)
         requests = [EngineRequest(p, d, logprobs=True, stream=False, tag=i)
                     for i, (p, d) in enumerate(zip(prompts, decodes))]
         results: list[GenerationResult | None] = [None] * len(requests)
@@ -149,10 +150,8 @@ class Engine(Batch):
     def _admit(self, candidates: Sequence[EngineRequest], out: StepOutcome,
                touched: set[int]) -> None:
         """Starts the admission of the longest prefix of `candidates` that fits; its rows join
-        `touched` before anything can fail. Rows no request holds give their KV pages back
-        first."""
+        `touched` before anything can fail."""
         free = self.rows.free()
-        self.release(free)
         budget = self.pages.free
         picked: dict[int, EngineRequest] = {}
         for request in candidates[: len(free)]:
@@ -161,16 +160,10 @@ class Engine(Batch):
                 break  # (a shared first page: the next admission maps it, not prefills)
             budget -= cost
             picked[free[len(picked)]] = request
-        for row, request in picked.items():  # busy from here: a failure fails them
-            self.rows.add(row, Row(request))
-            touched.add(row)
+        touched.update(picked)  # busy from here: a failure fails them
         out.admitted = list(picked.values())
         if picked:
-            self._admission = self.begin_admit(
-                {row: (r.prompt, r.decode) for row, r in picked.items()},
-                prefetched={row: r.prefix for row, r in picked.items()})
-            for row, request in picked.items():
-                request.cached_tokens = int(self._admission.start[row])
+            self._admission = self.begin_admit(picked)
 
     def _end_rows(self, out: StepOutcome) -> None:
         """Frees the decoding rows `end` asked for; a stopped one gets its finished event."""
@@ -180,7 +173,7 @@ class Engine(Batch):
         host = self.views.view(self._state, logprobs=any(
             self.rows[i].request.logprobs for i in ending))
         for i in ending:
-            row = self.rows.pop(i)
+            row = self.rows[i]
             if row.ending == "stop":
                 out.events.append(RowEvent(row.request, [], None, finished=True,
                                            result=functools.partial(self._stopped, host, i, row)))
@@ -227,7 +220,6 @@ class Engine(Batch):
                 out.events[-1].result = functools.partial(self.result_of, host, i,
                                                           decode=row.request.decode)
                 finished.append(i)
-                self.rows.pop(i)
         self.release(finished)
 
     def _fail(self, error: Exception, touched: set[int], in_decode: bool,
@@ -236,7 +228,9 @@ class Engine(Batch):
         device buffers went down with it, every row fails and they are allocated afresh."""
         lost = not self.buffers_intact(self._state)
         victims = {i for i, _ in self.rows.items()} if lost else touched
-        out.failed = [self.rows.pop(i).request for i in sorted(victims) if i in self.rows]
+        out.failed = [self.rows[i].request for i in sorted(victims) if i in self.rows]
+        # requests this step admitted whose admission failed before their rows had records
+        out.failed += [r for r in out.admitted if self.rows.find(r) is None and r not in out.failed]
         out.error, out.decode_failed = error, in_decode
         if self._admission is not None and set(np.flatnonzero(self._admission.rows)) & victims:
             self._admission = None
@@ -249,5 +243,4 @@ class Engine(Batch):
     def reset_buffers(self) -> None:
         """Fresh device buffers and pool (batch.py); every row is free."""
         super().reset_buffers()
-        self.rows = RowTable(self.batch_size)
         self._state = self._admission = None

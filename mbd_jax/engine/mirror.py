@@ -59,6 +59,8 @@ def _portable(arg: Any) -> Any:
         return dataclasses.replace(arg, tag=None, prefix=None)
     if isinstance(arg, (list, tuple)):
         return [_portable(a) for a in arg]
+    if isinstance(arg, dict):
+        return {k: _portable(v) for k, v in arg.items()}
     if callable(arg):  # a progress callback: the followers run silently
         return None
     return arg

@@ -1,9 +1,10 @@
-"""Page accounting for the paged KV pool (model/paged_kv.py): which pool pages each row holds,
-and which hold a committed prompt prefix that later requests may share.
+"""Page accounting for the paged KV pool (model/paged_kv.py): which pool pages are free, how
+many rows hold each, and which hold a committed prompt prefix that later requests may share.
 
 Host-side and pure bookkeeping: the engine asks for pages when it admits a request (enough for
-every position the row can write: its prompt, its new tokens and one decode window), gives them
-back when the row is released, and hands the page table to the device cache after each change.
+every position the row can write: its prompt, its new tokens and one decode window) and keeps
+them in the row's record (rows.py), gives them back when the row is released, and builds the
+device's page table from its rows' pages (`page_table`).
 
 Prefix pages. Once a row's prompt is prefilled, each of its pages that lies wholly inside the
 prompt's full blocks is indexed by a chained hash of the tokens up to its end (`page_keys`). A
@@ -35,22 +36,28 @@ def page_keys(prompt: Sequence[int], page: int, full_len: int) -> list[bytes]:
     return keys
 
 
-class PagePool:
-    def __init__(self, num_pages: int, page: int, rows: int, pages_per_row: int):
-        self.num_pages, self.page, self.pages_per_row = num_pages, page, pages_per_row
-        self.clear(rows)
+def page_table(held: dict[int, Sequence[int]], rows: int, pages_per_row: int, num_pages: int
+               ) -> np.ndarray:
+    """[rows, pages_per_row] the pool page of each row's logical page (`held`: row -> its pages
+    in order); num_pages (maps nothing: writes there are dropped) everywhere else."""
+    table = np.full((rows, pages_per_row), num_pages, np.int32)
+    for row, pages in held.items():
+        table[row, : len(pages)] = pages
+    return table
 
-    def clear(self, rows: int) -> None:
-        """Every page free, no row holding any, nothing indexed (a fresh pool)."""
-        num_pages, pages_per_row = self.num_pages, self.pages_per_row
-        self.refs = np.zeros(num_pages, np.int32)  # rows holding each page
-        self._free = list(range(num_pages - 1, -1, -1))  # a stack: the lowest page comes first
+
+class PagePool:
+    def __init__(self, num_pages: int, page: int, pages_per_row: int):
+        self.num_pages, self.page, self.pages_per_row = num_pages, page, pages_per_row
+        self.clear()
+
+    def clear(self) -> None:
+        """Every page free, none held, nothing indexed (a fresh pool)."""
+        self.refs = np.zeros(self.num_pages, np.int32)  # rows holding each page
+        self._free = list(range(self.num_pages - 1, -1, -1))  # a stack: the lowest page first
         self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()  # oldest first
         self.index: dict[bytes, int] = {}  # prefix key -> page
         self._key: dict[int, bytes] = {}  # page -> its prefix key
-        self.held: list[list[int]] = [[] for _ in range(rows)]  # each row's pages, in order
-        # [B, pages_per_row] the pool page of each row's logical page; num_pages: none
-        self.table = np.full((rows, pages_per_row), num_pages, np.int32)
 
     @property
     def free(self) -> int:
@@ -85,24 +92,21 @@ class PagePool:
         own pages, and the shared ones no row holds now (they leave the cached set)."""
         return self.pages_for(tokens) - len(shared) + sum(self.refs[p] == 0 for p in shared)
 
-    def reserve(self, row: int, tokens: int, shared: Sequence[int] = ()) -> None:
-        """Gives `row` pages for positions [0, tokens) (after releasing what it held): the
-        `shared` prefix pages first, then its own, taken from the free pages or, when none are
-        left, from the oldest cached prefix pages. The caller checks `free` against `cost`
-        first: running out here is a bug, not a full pool."""
-        self.release(row)
+    def reserve(self, tokens: int, shared: Sequence[int] = ()) -> list[int]:
+        """Pages for one row's positions [0, tokens), in order: the `shared` prefix pages first,
+        then its own, taken from the free pages or, when none are left, from the oldest cached
+        prefix pages. The caller checks `free` against `cost` first: running out here is a
+        bug, not a full pool."""
         n = self.pages_for(tokens)
         shared = list(shared)[:n]
         if self.cost(tokens, shared) > self.free:
-            raise RuntimeError(f"KV pool: row {row} needs {self.cost(tokens, shared)} pages, "
+            raise RuntimeError(f"KV pool: a row needs {self.cost(tokens, shared)} pages, "
                                f"{self.free} are free")
         for p in shared:
             self._cached.pop(p, None)
-        own = [self._take() for _ in range(n - len(shared))]
-        pages = shared + own
+        pages = shared + [self._take() for _ in range(n - len(shared))]
         self.refs[pages] += 1
-        self.held[row] = pages
-        self.table[row, :n] = pages
+        return pages
 
     def _take(self) -> int:
         if self._free:
@@ -111,45 +115,40 @@ class PagePool:
         del self.index[self._key.pop(page)]
         return page
 
-    def register(self, row: int, keys: Sequence[bytes]) -> None:
-        """Indexes `row`'s leading pages under `keys` (its prompt pages, now prefilled); a key
+    def register(self, pages: Sequence[int], keys: Sequence[bytes]) -> None:
+        """Indexes a row's leading `pages` under `keys` (its prompt pages, now prefilled); a key
         already indexed keeps its page."""
-        for key, page in zip(keys, self.held[row]):
+        for key, page in zip(keys, pages):
             if key not in self.index and page not in self._key:
                 self.index[key], self._key[page] = page, key
 
-    def release(self, row: int) -> None:
-        """Gives back every page `row` holds; its table maps nothing after. A prefix page no row
-        holds any more stays cached (indexed) until a reservation needs it. A row's pages join
-        the cache last page first, so eviction (oldest first) eats a prefix from its end and
-        what stays cached is still a prefix a lookup can reach."""
-        for p in reversed(self.held[row]):
+    def release(self, pages: Sequence[int]) -> None:
+        """Gives back the pages a row held. A prefix page no row holds any more stays cached
+        (indexed) until a reservation needs it. A row's pages join the cache last page first,
+        so eviction (oldest first) eats a prefix from its end and what stays cached is still a
+        prefix a lookup can reach."""
+        for p in reversed(pages):
             self.refs[p] -= 1
             if self.refs[p] == 0:
                 if p in self._key:
                     self._cached[p] = None
                 else:
                     self._free.append(p)
-        self.held[row] = []
-        self.table[row] = self.num_pages
 
-    def check(self) -> None:
-        """Raises AssertionError unless every page is in exactly one place (held, free or
-        cached), each page's count equals its holders, the index and its reverse agree, cached
-        pages are indexed, free pages are not, and the table shows exactly the held pages."""
+    def check(self, held: Sequence[Sequence[int]]) -> None:
+        """Raises AssertionError unless every page is in exactly one place (held by the rows'
+        `held` page lists, free or cached), each page's count equals its holders, the index and
+        its reverse agree, cached pages are indexed and free pages are not."""
         holders = np.zeros(self.num_pages, np.int32)
-        for pages in self.held:
-            np.add.at(holders, pages, 1)
+        for pages in held:
+            assert len(set(pages)) == len(pages), "a row holds a page twice"
+            np.add.at(holders, list(pages), 1)
         free, cached = set(self._free), set(self._cached)
-        held = set(np.flatnonzero(holders).tolist())
+        in_use = set(np.flatnonzero(holders).tolist())
         assert len(free) == len(self._free), "a page is free twice"
-        assert not (free & cached) and not (free & held) and not (cached & held), \
+        assert not (free & cached) and not (free & in_use) and not (cached & in_use), \
             "a page is in two places"
-        assert len(free) + len(cached) + len(held) == self.num_pages, "a page is lost"
+        assert len(free) + len(cached) + len(in_use) == self.num_pages, "a page is lost"
         assert (self.refs == holders).all(), "reference counts differ from the holders"
         assert {v: k for k, v in self.index.items()} == self._key, "index and reverse differ"
         assert cached <= set(self._key) and not (free & set(self._key)), "cache / index mismatch"
-        for row, pages in enumerate(self.held):
-            assert len(set(pages)) == len(pages), f"row {row} holds a page twice"
-            assert self.table[row, :len(pages)].tolist() == pages
-            assert (self.table[row, len(pages):] == self.num_pages).all()

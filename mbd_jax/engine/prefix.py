@@ -33,7 +33,7 @@ class PrefixHit:
 
 class PrefixGlue:
     def __init__(self, store: PrefixStore, cfg: ModelConfig, dtype: Any, progs: PrefixPrograms, put: Callable[[np.ndarray], jax.Array],
-                 batch_size: int, blocks_per_call: int, prefill_chunk: int,
+                 blocks_per_call: int, prefill_chunk: int,
                  bucket_of: Callable[[int], int]):
         """`dtype`: the cache's block entries'; `progs`: the jitted loads and
         gathers (programs.py); `put`: a host array onto the mesh; `bucket_of`: the prefill
@@ -56,7 +56,7 @@ class PrefixGlue:
         if self.snapshots:
             store.expect(snapshot, np.float32, kind="state")
         states = (progs.gather_snapshots, progs.empty_snapshots) if self.snapshots else None
-        self.offloader = KVOffloader(store, progs.gather, progs.empty, batch_size,
+        self.offloader = KVOffloader(store, progs.gather, progs.empty,
                                      blocks_per_call, states)
 
     def prefetch(self, prompt: Sequence[int], after: int = 0) -> PrefixHit:
@@ -108,9 +108,7 @@ class PrefixGlue:
             kv = self._load(kv, blocks, np.int32(row), np.int32(chunk_start))
         if hit.snapshot is not None:
             kv = self._load_snapshot(kv, hit.snapshot, np.int32(row))
-        tokens = hit.tokens
-        self.offloader.reset_row(row, tokens // self.cfg.block_size)
-        return kv, tokens
+        return kv, hit.tokens
 
     def warm_load(self, kv: Any, tokens: int) -> Any:
         """Compiles loading `tokens` cached positions (a bucket) into a row (row 0, before any

@@ -16,6 +16,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
+
+from mbd_jax.cache.offload import OffloadProgress
 from mbd_jax.config import DecodeConfig
 from mbd_jax.engine.prefix import PrefixHit
 from mbd_jax.engine.results import GenerationResult
@@ -30,6 +33,7 @@ class EngineRequest:
     id: int = dataclasses.field(default_factory=itertools.count().__next__)  # unique in a process
     logprobs: bool = False  # events and the result carry each token's log-probability
     stream: bool = True  # an event per decode call with new tokens (else only when it finishes)
+    persist: bool = True  # with a prefix store, its committed blocks go there
     tag: Any = None
     prefix: PrefixHit | None = None  # a prefix-store hit prefetched while it waited
     prefetched: bool = False  # `prefix` was looked up (it may be None: nothing to prefetch)
@@ -41,10 +45,21 @@ class Row:
     """A busy row: its request and everything the host tracks for it."""
 
     request: EngineRequest
+    pages: list[int] = dataclasses.field(default_factory=list)  # KV pool pages held, in order
+    page_keys: list[bytes] = dataclasses.field(default_factory=list)  # its prompt pages' prefix
+    # keys (pages.py), indexed in the pool once its prefill is done
+    prefill_end: int = 0  # prompt positions [0, prefill_end) are prefilled: its full blocks
+    prefilled: int = 0  # prompt positions [0, prefilled) are in the KV pool so far
+    offload: OffloadProgress | None = None  # its blocks handed to the prefix store (None: not
+    # persisted: no store, or the request asked not to)
     started: float = dataclasses.field(default_factory=time.monotonic)
     prefilling: bool = True  # its admission's prefill is not finished (not decoding yet)
     emitted: int = 0  # generated tokens handed out in events
     ending: str | None = None  # "cancel" (free it, no result) or "stop" (finish it as stopped)
+
+    @property
+    def prompt(self) -> np.ndarray:
+        return np.asarray(self.request.prompt, np.int32)
 
 
 @dataclasses.dataclass

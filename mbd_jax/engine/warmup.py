@@ -89,7 +89,7 @@ def choose_expert_paths(engine, say: Callable[[str], None]) -> None:
 
     def time_calls(impl: str, rows: int) -> list[float]:
         engine.use_expert_paths(impl, impl)
-        jobs = [EngineRequest(prompt, decode, stream=False) for _ in range(rows)]
+        jobs = [EngineRequest(prompt, decode, stream=False, persist=False) for _ in range(rows)]
         check(engine.step(jobs, expert_paths.STEPS))  # admits them all; its decode compiles
         seconds = []
         for _ in range(expert_paths.CALLS):
@@ -101,12 +101,8 @@ def choose_expert_paths(engine, say: Callable[[str], None]) -> None:
         check(engine.step())  # frees their rows
         return seconds
 
-    offloader, engine.offloader = engine.offloader, None
-    try:
-        best, engine.moe_timings = expert_paths.choose(engine.batch_size, engine.cfg.platform,
-                                                       time_calls, say)
-    finally:
-        engine.offloader = offloader
+    best, engine.moe_timings = expert_paths.choose(engine.batch_size, engine.cfg.platform,
+                                                   time_calls, say)
     engine.use_expert_paths(best["all rows"], best.get("one row", best["all rows"]))
 
 
