@@ -1,6 +1,7 @@
 """The engine's GPU programs compile, on this CPU machine: decode and prefill of a tiny MoE preset
-and a tiny MoE hybrid, for an 8 x H200 topology with `expert` and `tensor` axes, through
-XLA:GPU's whole pipeline (engine/deviceless.py). Runs in its own process: the CUDA plugin lives
+(on the chunked attention loop and on the Pallas kernel) and a tiny MoE hybrid, for an 8 x H200
+topology with `expert` and `tensor` axes, through XLA:GPU's whole pipeline
+(engine/deviceless.py). Runs in its own process: the CUDA plugin lives
 in .venv/gpu-compile (`make test` installs it), outside this process's JAX."""
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ from mbd_jax.parallel import mesh as meshlib
 devices = deviceless.topology_devices("h200", hosts=1, per_host=8)
 mesh = meshlib.make_mesh({"data": 1, "expert": 4, "tensor": 2}, devices)
 out = {"device_kind": devices[0].device_kind, "platform": devices[0].platform}
-for preset in ("tiny-moe", "tiny-moe-hybrid-causal"):
+for preset, attention in (("tiny-moe", "chunked"), ("tiny-moe-hybrid-causal", "chunked"),
+                          ("tiny-moe", "pallas")):
     cfg = dataclasses.replace(load_model_config(MODEL_PRESET_DIR / f"{preset}.yaml"),
-                              moe_impl="auto")  # the preset fixes tiled for training
+                              moe_impl="auto",  # the preset fixes tiled for training
+                              attention_impl=attention)
+    preset += "" if attention == "chunked" else f" {attention}"
     shape = deviceless.EngineShape(batch_size=4, buffer_size=2, prefill_chunk=64)
     for name, program in deviceless.compile_engine(cfg, mesh, shape).items():
         text, memory = program.compiled.as_text(), program.compiled.memory_analysis()
@@ -34,19 +38,28 @@ for preset in ("tiny-moe", "tiny-moe-hybrid-causal"):
             "collectives": sorted(set(re.findall(
                 r"\b(all-reduce|all-gather|all-to-all|reduce-scatter)(?:-start)?\(", text))),
             "ragged_dot": "ragged" in text, "triton": "__triton" in text,
+            "collective_counts": {c: len(re.findall(rf"\b{c}(?:-start)?\(", text)) for c in (
+                "all-reduce", "all-gather", "all-to-all", "reduce-scatter")},
+            "kernel_calls": len(re.findall(r'custom_call_target="__gpu\$xla\.gpu\.triton"', text)),
+            "kernel_named": "paged_block_causal_attention" in text,
             "argument_bytes": memory.argument_size_in_bytes, "input_bytes": program.input_bytes,
             "temp_bytes": memory.temp_size_in_bytes}
 print(json.dumps(out))
 """
 
 
-def test_decode_and_prefill_compile_for_an_h200_mesh():
+def compiled() -> dict:
+    """What SCRIPT reports of each compiled program."""
     assert (PLUGIN_DIR / "jax_plugins").is_dir(), "run `make test` (it installs .venv/gpu-compile)"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=f"{PLUGIN_DIR}{os.pathsep}{ROOT}")
     r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, cwd=ROOT,
                        env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_decode_and_prefill_compile_for_an_h200_mesh():
+    out = compiled()
     assert out["platform"] == "gpu" and "H200" in out["device_kind"]
     for preset in ("tiny-moe", "tiny-moe-hybrid-causal"):
         for name in ("decode", "prefill"):
@@ -63,3 +76,13 @@ def test_decode_and_prefill_compile_for_an_h200_mesh():
         assert 0.9 * prefill["input_bytes"] < prefill["argument_bytes"] < prefill["input_bytes"]
         # expert parallel: the decode step sends tokens to the devices holding their experts
         assert "all-to-all" in decode["collectives"], decode
+
+    # attention_impl: pallas puts the Triton kernel in both programs, per shard (its kv heads
+    # split on `tensor` like the pool, so it adds no collective), and leaves the rest as it was
+    for name in ("decode", "prefill"):
+        kernel, loop = out[f"tiny-moe pallas {name}"], out[f"tiny-moe {name}"]
+        assert kernel["kernel_named"] and kernel["kernel_calls"] >= 1, kernel
+        assert not loop["kernel_named"] and loop["kernel_calls"] == 0, loop
+        assert kernel["collective_counts"] == loop["collective_counts"], (kernel, loop)
+        assert kernel["argument_bytes"] == loop["argument_bytes"], (kernel, loop)
+        assert 0 < kernel["temp_bytes"] < 64 << 20, kernel

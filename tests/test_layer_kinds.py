@@ -69,6 +69,7 @@ class RunningSum(nn.Module):
     inputs being x @ W_in; the committed sum moves past the tokens `meta.commit` names."""
 
     cfg: object
+    mesh: object = None
 
     @nn.compact
     def __call__(self, x, meta, cache, slot):

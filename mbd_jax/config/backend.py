@@ -26,7 +26,7 @@ MEASURED: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 
-def _backend(backend: str | None) -> str:
+def platform_or_default(backend: str | None) -> str:
     """`backend`, or unset (a config built for no mesh: training, a lone forward) the platform of
     the first device, the one an engine without a mesh runs on."""
     if backend is None:
@@ -43,11 +43,11 @@ def resolve_auto(field: str, value: str, backend: str | None = None) -> str:
     if value not in ("auto", "measure"):
         return value
     table = AUTO[field]
-    backend = _backend(backend)
+    backend = platform_or_default(backend)
     return table.get(backend, table["*"])
 
 
 def measured_candidates(field: str, backend: str | None = None) -> tuple[str, ...]:
     """The values `measure` times for setting `field` on `backend` (MEASURED)."""
     table = MEASURED[field]
-    return table.get(_backend(backend), table["*"])
+    return table.get(platform_or_default(backend), table["*"])

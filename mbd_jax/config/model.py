@@ -15,7 +15,7 @@ RouterType = Literal["softmax_topk", "sigmoid_grouped"]
 # auto: chosen per backend (AUTO below); measure: an engine's warm-up times the backend's candidates
 # (MEASURED below) on each of its decode programs and keeps the faster (engine/core.py)
 MoeImpl = Literal["auto", "measure", "dense", "ragged", "tiled", "looped"]
-AttentionImpl = Literal["chunked", "dense"]
+AttentionImpl = Literal["chunked", "dense", "pallas"]
 # How the layers run: one lax.scan per run of identical layers (compile time and program size
 # flat in depth) or unrolled; auto: per backend (AUTO below).
 LayerLoop = Literal["auto", "scan", "unrolled"]

@@ -1,22 +1,31 @@
 """The attention layer: grouped-query attention with RoPE (optional q/k norms and a per-head
 output gate) over its paged KV pool (model/paged_kv.py), or, without a cache, over its T tokens
-under the explicit mask."""
+under the explicit mask. Over the pool, `attention_impl` picks the pure-JAX online-softmax loop
+(chunked), the Pallas kernel (pallas: model/paged_attention_kernel.py, per shard under a mesh)
+or dense masked attention over every position (dense, the reference)."""
 
 from __future__ import annotations
+
+import functools
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from mbd_jax.config import ModelConfig
-from mbd_jax.model import layers, rope
+from mbd_jax.config.backend import platform_or_default
+from mbd_jax.errors import UserError
+from mbd_jax.model import layers, paged_attention_kernel, rope
 from mbd_jax.model.forward_meta import ForwardMeta
 from mbd_jax.model.paged_kv import PagedKV
 from mbd_jax.model.params import NORMAL, norm_weight, param
+from mbd_jax.parallel.attention import sharded_attention
 
 
 class Attention(nn.Module):
     cfg: ModelConfig
+    mesh: Mesh | None = None  # the kernel runs per shard under it (XLA partitions the rest)
 
     @nn.compact
     def __call__(self, x, meta: ForwardMeta, kv: PagedKV | None, slot):
@@ -47,6 +56,8 @@ class Attention(nn.Module):
                 out = layers.chunked_attention(q, kv, slot, meta.positions, meta.visible_len,
                                                cfg.block_size, min(cfg.attention_chunk, kv.capacity),
                                                meta.rows, used=meta.write)
+            elif cfg.attention_impl == "pallas":
+                out = self._kernel(q, kv, slot, meta)
             else:
                 k_all, v_all = (kv.span(a, meta.rows, 0, kv.capacity) for a in kv.layer(slot))
                 visible = layers.block_causal_visible(meta.positions, jnp.arange(kv.capacity),
@@ -56,3 +67,19 @@ class Attention(nn.Module):
             wg = param(self, "gate_proj", (d, h, dh), ("embed", "heads", "head_dim"), NORMAL)
             out = out * jax.nn.sigmoid(jnp.einsum("btd,dhk->bthk", x, wg.astype(dt)))
         return jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), kv
+
+    def _kernel(self, q, kv: PagedKV, slot, meta: ForwardMeta):
+        """The Pallas kernel over this layer's pool: compiled for a GPU platform, interpreted
+        elsewhere (the same program, for checking it)."""
+        cfg = self.cfg
+        gpu = platform_or_default(cfg.platform) == "gpu"
+        why = paged_attention_kernel.check_shapes(kv.page, cfg.head_dim)
+        if gpu and why is not None:
+            raise UserError(f"attention_impl: pallas: {why}; use attention_impl: chunked")
+        kernel = functools.partial(paged_attention_kernel.paged_attention,
+                                   block_size=cfg.block_size, interpret=not gpu)
+        rows = jnp.arange(q.shape[0], dtype=jnp.int32) if meta.rows is None else meta.rows
+        if self.mesh is not None and self.mesh.size > 1:
+            kernel = sharded_attention(kernel, self.mesh)
+        k_layer, v_layer = kv.layer(slot)
+        return kernel(q, k_layer, v_layer, kv.table, meta.positions, meta.visible_len, rows=rows)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from mbd_jax.config import ModelConfig, resolve_auto
 from mbd_jax.model import delta_rule
@@ -103,6 +104,7 @@ def _dual_stream_rule(q, k, v, g, beta, groups: jax.Array, block: int, mode: str
 
 class GatedDeltaNet(nn.Module):
     cfg: ModelConfig
+    mesh: Mesh | None = None  # partitioned by XLA from its weights' shardings: not read here
 
     @nn.compact
     def __call__(self, x, meta: ForwardMeta, cache: RecurrentState | None, slot):

@@ -2,8 +2,8 @@
 
     LAYER_TYPES[cfg.layer_type(i)] -> LayerType(mixer, cache, param_name)
 
-A mixer is a linen module, `Mixer(cfg, name=param_name)(x [B, T, D], meta, entry, slot) ->
-(out [B, T, D], entry)`, where `entry` is its cache kind's instance for every layer of its type
+A mixer is a linen module, `Mixer(cfg, mesh, name=param_name)(x [B, T, D], meta, entry, slot)
+-> (out [B, T, D], entry)` (`mesh`: the devices it runs under, None for one), where `entry` is its cache kind's instance for every layer of its type
 (None without a cache) and `slot` the layer's index among them. The model's cache
 (model/cache.py) is the collection of the kinds its layers name; nothing outside the model looks
 at a kind. A new layer type is one entry here (the tests add a toy one at run time).

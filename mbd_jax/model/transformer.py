@@ -109,7 +109,7 @@ class DecoderLayer(nn.Module):
         norm = lambda name: norm_weight(self, name, cfg.hidden_size, ("embed",))  # noqa: E731
         h = layers.rms_norm(x, norm("input_norm"), cfg.rms_norm_eps)
         name, kind = cfg.layer_type(self.index), layer_type(cfg, self.index)
-        mixer = kind.mixer(cfg, name=kind.param_name)
+        mixer = kind.mixer(cfg, self.mesh, name=kind.param_name)
         if cache is None:
             mixed, _ = mixer(h, meta, None, None)
         else:  # the mixer reads and writes its own kind's entry

@@ -1,0 +1,121 @@
+"""Block-causal attention over the paged KV pool as a Pallas kernel (the Triton backend on GPU,
+Pallas' interpreter elsewhere): `attention_impl: pallas`. The pure-JAX online-softmax loop
+(layers.chunked_attention) is its reference.
+
+One kernel instance per (query row, kv head, tile of queries): it holds its tile of queries
+([TQ, Dh], the G query heads of the kv head stacked along the query axis) and walks the row's
+pages through the page table, one page ([page, Dh] of K and of V) per loop step, with an online
+softmax in float32. Each row reads only the pages its own queries can see (below its visible
+length and the end of its latest query block), not the longest row's, and a free row reads none.
+
+Why Triton and not Mosaic GPU: the kernel's work is a gather of whole pages by a table read
+inside the loop and two small matmuls per page; Triton lowers data-dependent loads and dynamic
+trip counts directly and runs on every NVIDIA GPU jaxlib supports, where Mosaic GPU targets
+Hopper's TMA and warpgroup pipelines (worth it for large prefill tiles, not for a decode window of
+tens of queries). Triton needs power-of-two load shapes and matmul sides of at least 16: the
+query tile is padded to a power of two; `page` and `head_dim` must be powers of two >= 16 on GPU
+(`check_shapes`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # a masked score: finite, so m - m is 0
+MAX_QUERY_TILE = 64  # queries per kernel instance (a prefill chunk's are split into tiles)
+NUM_WARPS, NUM_STAGES = 4, 2  # Triton launch settings (untuned: no GPU has timed them yet)
+
+
+def visible(q_pos: jax.Array, k_pos: jax.Array, visible_len: jax.Array, block_size: int
+            ) -> jax.Array:
+    """The block-causal rule: [TQ, C] whether the query at q_pos [TQ] sees the key at k_pos [C]
+    (k before the end of the query's block, and below the row's visible length)."""
+    block_end = (q_pos // block_size + 1) * block_size
+    return (k_pos[None, :] < block_end[:, None]) & (k_pos[None, :] < visible_len)
+
+
+def check_shapes(page: int, head_dim: int) -> str | None:
+    """Why the GPU kernel cannot take these shapes (None: it can)."""
+    for name, n in (("page (attention_chunk)", page), ("head_dim", head_dim)):
+        if n < 16 or n & (n - 1):
+            return f"{name} is {n}; the Triton kernel needs a power of two >= 16"
+    return None
+
+
+def _kernel(rows_ref, visible_ref, table_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *,
+            block_size: int, page: int):
+    # rows, visible: [B]; table: [B, pages per row]; pos: [TQ]; q: [TQ, Dh];
+    # k, v: [P, page, K, Dh] (the whole layer pool); o: [TQ, Dh]
+    b, head = pl.program_id(0), pl.program_id(1)
+    row, vis = rows_ref[b], visible_ref[b]
+    q, pos = q_ref[...], pos_ref[...]
+    # the pages this tile can see: below the row's visible length and its last block's end
+    need = jnp.minimum(vis, jnp.max((pos // block_size + 1) * block_size))
+    n_pages = (jnp.maximum(need, 0) + page - 1) // page
+
+    def step(i, carry):
+        m, l, acc = carry  # [TQ], [TQ], [TQ, Dh] float32
+        where = table_ref[row, i]
+        k = k_ref[where, :, head, :].astype(q.dtype)  # [page, Dh]
+        v = v_ref[where, :, head, :].astype(q.dtype)
+        s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32)  # [TQ, page]
+        mask = visible(pos, i * page + jnp.arange(page), vis, block_size)
+        s = jnp.where(mask, s, MASKED)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)  # a query with nothing seen: 0
+        corr = jnp.exp(m - m_new)
+        acc = acc * corr[:, None] + plgpu.dot(p.astype(v.dtype), v).astype(jnp.float32)
+        return m_new, l * corr + jnp.sum(p, axis=1), acc
+
+    tq, dh = q.shape
+    init = (jnp.full((tq,), MASKED, jnp.float32), jnp.zeros((tq,), jnp.float32),
+            jnp.zeros((tq, dh), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, n_pages, step, init)
+    o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
+
+
+def paged_attention(q: jax.Array, k_layer: jax.Array, v_layer: jax.Array, table: jax.Array,
+                    q_pos: jax.Array, visible_len: jax.Array, block_size: int,
+                    rows: jax.Array | None = None, interpret: bool = False) -> jax.Array:
+    """Block-causal attention of q over one layer's paged pool (the contract of
+    layers.chunked_attention).
+
+    q: [B, T, H, Dh]; k_layer, v_layer: [P, page, K, Dh]; table: [R, pages per row] (the pool
+    page of each cache row's logical page); q_pos: [B, T]; visible_len: [B]; rows: [B] the cache
+    row of each query row (None: row b). `interpret`: run in Pallas' interpreter (any platform;
+    the GPU kernel otherwise). Returns [B, T, H, Dh].
+    """
+    b, t, h, dh = q.shape
+    page, kh = k_layer.shape[1], k_layer.shape[2]
+    g = h // kh
+    # [B, K, G * T, Dh]: a kv head's query heads stacked along the query axis, pre-scaled
+    qg = jnp.transpose(q.reshape(b, t, kh, g, dh), (0, 2, 3, 1, 4)).reshape(b, kh, g * t, dh)
+    qg = (qg.astype(jnp.float32) * dh ** -0.5).astype(q.dtype)
+    pos = jnp.tile(q_pos, (1, g)).astype(jnp.int32)  # [B, G * T]
+    tile = min(pl.next_power_of_2(g * t), MAX_QUERY_TILE)
+    padded = pl.cdiv(g * t, tile) * tile
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, padded - g * t), (0, 0)))
+    pos = jnp.pad(pos, ((0, 0), (0, padded - g * t)), constant_values=-1)  # sees nothing
+    rows = jnp.arange(b, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
+    whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
+    out = pl.pallas_call(
+        functools.partial(_kernel, block_size=block_size, page=page),
+        grid=(b, kh, padded // tile),
+        in_specs=[whole(rows.shape), whole(visible_len.shape), whole(table.shape),
+                  pl.BlockSpec((None, tile), lambda r, k, i: (r, i)),
+                  pl.BlockSpec((None, None, tile, dh), lambda r, k, i: (r, k, i, 0)),
+                  whole(k_layer.shape), whole(v_layer.shape)],
+        out_specs=pl.BlockSpec((None, None, tile, dh), lambda r, k, i: (r, k, i, 0)),
+        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        interpret=interpret,
+        # Triton params select the Triton backend (jax 0.10's default GPU backend is Mosaic GPU)
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        name="paged_block_causal_attention",
+    )(rows, visible_len.astype(jnp.int32), table.astype(jnp.int32), pos, qg, k_layer, v_layer)
+    out = out[:, :, : g * t].reshape(b, kh, g, t, dh)
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, dh)

@@ -1,0 +1,152 @@
+"""The Pallas paged-attention kernel (model/paged_attention_kernel.py), run in Pallas' interpreter,
+equals its reference, the pure-JAX online-softmax loop (layers.chunked_attention), over the
+layouts the engine makes: mixed visible lengths, prefix pages shared between rows, free rows,
+decode windows of N_buf 1, 2 and 4 blocks, a prefill chunk over one cache row, grouped-query
+heads. A mutation of its block-causal rule makes it differ; an engine on it generates the tokens
+of the chunked path."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mbd_jax.config import DecodeConfig
+from mbd_jax.engine import Engine
+from mbd_jax.model import layers, paged_attention_kernel
+from mbd_jax.model.paged_attention_kernel import check_shapes, paged_attention
+from mbd_jax.model.paged_kv import PagedKV
+from tests.conftest import tiny_cfg, tiny_params
+
+BLOCK, PAGE, KV_HEADS, HEAD_DIM = 8, 16, 2, 16
+PAGES_PER_ROW, POOL_PAGES = 8, 40
+
+
+def pool(seed: int, rows: int):
+    """A random pool and a page table whose rows 0 and 1 share their first two pages (a shared
+    prompt prefix) and otherwise hold distinct pages in a random order."""
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((POOL_PAGES, PAGE, KV_HEADS, HEAD_DIM)).astype(np.float32)
+    v = rng.standard_normal((POOL_PAGES, PAGE, KV_HEADS, HEAD_DIM)).astype(np.float32)
+    order = rng.permutation(POOL_PAGES)
+    table = np.full((rows, PAGES_PER_ROW), POOL_PAGES, np.int32)
+    taken = 0
+    for r in range(rows):
+        table[r] = order[taken: taken + PAGES_PER_ROW]
+        taken += PAGES_PER_ROW - (2 if r == 0 else 0)
+    table[1, :2] = table[0, :2]
+    return jnp.asarray(k), jnp.asarray(v), jnp.asarray(table)
+
+
+def reference(q, k, v, table, q_pos, visible_len, rows=None):
+    kv = PagedKV(k=(k,), v=(v,), table=table)
+    return layers.chunked_attention(q, kv, 0, q_pos, visible_len, BLOCK, PAGE, rows)
+
+
+@pytest.mark.parametrize("n_buf", [1, 2, 4])
+@pytest.mark.parametrize("heads", [2, 4])  # 1 and 2 query heads per kv head
+def test_a_decode_window_equals_the_reference(n_buf, heads):
+    """Four rows at mixed committed lengths (one at 0, one past a page boundary, two sharing
+    prefix pages) decode a window of n_buf blocks: each row's queries sit in its own blocks after
+    its committed prefix and see the keys of their block and before."""
+    rows, t = 4, n_buf * BLOCK
+    k, v, table = pool(n_buf * 10 + heads, rows)
+    rng = np.random.default_rng(heads)
+    cached = np.array([0, 24, 40, 72], np.int32)
+    visible_len = jnp.asarray(cached + t)
+    q_pos = jnp.asarray(cached[:, None] + np.arange(t, dtype=np.int32)[None])
+    q = jnp.asarray(rng.standard_normal((rows, t, heads, HEAD_DIM)).astype(np.float32))
+    got = paged_attention(q, k, v, table, q_pos, visible_len, BLOCK, interpret=True)
+    np.testing.assert_allclose(got, reference(q, k, v, table, q_pos, visible_len), atol=2e-5)
+
+
+def test_a_free_row_reads_nothing_and_the_others_are_unchanged():
+    """A free row (visible length 0, no pages) gets zeros without a page read; the rows beside
+    it equal the reference."""
+    k, v, table = pool(3, 3)
+    table = table.at[2].set(POOL_PAGES)  # row 2 holds no page
+    t = 2 * BLOCK
+    cached = np.array([16, 33, 0], np.int32)
+    visible_len = jnp.asarray(np.where(np.arange(3) == 2, 0, cached + t).astype(np.int32))
+    q_pos = jnp.asarray(cached[:, None] + np.arange(t, dtype=np.int32)[None])
+    q = jnp.asarray(np.random.default_rng(4).standard_normal((3, t, 4, HEAD_DIM)), jnp.float32)
+    got = np.asarray(paged_attention(q, k, v, table, q_pos, visible_len, BLOCK, interpret=True))
+    want = np.asarray(reference(q, k, v, table, q_pos, visible_len))
+    np.testing.assert_allclose(got[:2], want[:2], atol=2e-5)
+    assert not got[2].any()
+
+
+def test_a_prefill_chunk_over_one_cache_row_equals_the_reference():
+    """A 48-token prefill chunk of cache row 2 alone (`rows`), at position 32 of its prompt:
+    three query tiles of a kernel instance each, block-causal inside the chunk."""
+    k, v, table = pool(5, 3)
+    t, start = 48, 32
+    q_pos = jnp.asarray(start + np.arange(t, dtype=np.int32)[None])
+    visible_len = jnp.asarray([start + t], jnp.int32)
+    rows = jnp.asarray([2], jnp.int32)
+    q = jnp.asarray(np.random.default_rng(6).standard_normal((1, t, 4, HEAD_DIM)), jnp.float32)
+    got = paged_attention(q, k, v, table, q_pos, visible_len, BLOCK, rows=rows, interpret=True)
+    np.testing.assert_allclose(got, reference(q, k, v, table, q_pos, visible_len, rows), atol=2e-5)
+
+
+def test_a_mutated_block_causal_rule_differs(monkeypatch):
+    """The kernel's mask is what the comparison checks: letting a query see one key past its
+    block makes it differ from the reference."""
+    k, v, table = pool(7, 2)
+    t = 2 * BLOCK
+    cached = np.array([8, 24], np.int32)
+    q_pos = jnp.asarray(cached[:, None] + np.arange(t, dtype=np.int32)[None])
+    visible_len = jnp.asarray(cached + t)
+    q = jnp.asarray(np.random.default_rng(8).standard_normal((2, t, 4, HEAD_DIM)), jnp.float32)
+    want = reference(q, k, v, table, q_pos, visible_len)
+    rule = paged_attention_kernel.visible
+
+    def one_more(q_pos, k_pos, visible_len, block_size):
+        return rule(q_pos, k_pos - 1, visible_len + 1, block_size)
+
+    monkeypatch.setattr(paged_attention_kernel, "visible", one_more)
+    got = paged_attention(q, k, v, table, q_pos, visible_len, BLOCK, interpret=True)
+    assert np.abs(np.asarray(got) - np.asarray(want)).max() > 1e-2
+
+
+def test_shapes_the_gpu_kernel_cannot_take_are_named():
+    assert check_shapes(64, 128) is None
+    assert "power of two" in check_shapes(48, 128) and "page" in check_shapes(48, 128)
+    assert "head_dim" in check_shapes(64, 8)
+
+
+def test_an_engine_on_the_kernel_generates_the_chunked_paths_tokens():
+    """The model's attention layers on the kernel (interpreted here), through admission,
+    prefill chunks and MultiBD decode: the same tokens as the chunked path."""
+    prompts = [np.random.default_rng(i).integers(5, 200, n).tolist()
+               for i, n in enumerate((5, 29, 70))]
+    decode = DecodeConfig(buffer_size=2, max_new_tokens=24)
+    want = Engine(tiny_cfg(), tiny_params(), batch_size=2, buffer_size=2,
+                  prefill_chunk=32).generate(prompts, decode)
+    cfg = dataclasses.replace(tiny_cfg(), attention_impl="pallas")
+    got = Engine(cfg, tiny_params(), batch_size=2, buffer_size=2, prefill_chunk=32).generate(
+        prompts, decode)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+
+
+def test_shapes_the_gpu_kernel_cannot_take_fail_the_gpu_trace_with_a_clear_error():
+    """Traced for a GPU platform, pages of 8 positions (under Triton's 16) are refused with the
+    field named, before any lowering."""
+    import jax
+
+    from mbd_jax.errors import UserError
+    from mbd_jax.model.cache import ModelCache
+    from mbd_jax.model.forward_meta import ForwardMeta
+    from mbd_jax.model.transformer import Transformer
+
+    cfg = dataclasses.replace(tiny_cfg(), attention_impl="pallas", platform="gpu",
+                              attention_chunk=8, layer_loop="unrolled")  # tiny_params' layout
+    cache = ModelCache.allocate(cfg, batch=1, capacity=64)
+    tokens = jnp.zeros((1, BLOCK), jnp.int32)
+    pos = jnp.arange(BLOCK, dtype=jnp.int32)[None]
+    meta = ForwardMeta.cached(pos, jnp.zeros(1, jnp.int32), jnp.full(1, BLOCK, jnp.int32))
+    with pytest.raises(UserError, match="attention_impl: pallas: page"):
+        jax.eval_shape(lambda p: Transformer(cfg).apply({"params": p}, tokens, meta, cache),
+                       tiny_params())
