@@ -58,12 +58,31 @@ def peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # host RSS (Linux: KiB)
 
 
+def _timed_runs(engine: Engine, prompts: list[list[int]], d: DecodeConfig, repeats: int
+                ) -> tuple[list[float], ...]:
+    """`repeats` generate calls: (decode step seconds, tokens/s, TPF, NFE, bubble share,
+    seconds) per run (step seconds: one per decode step of every run)."""
+    step_times, tok_s, tpf, nfe, bubbles, gen_s = [], [], [], [], [], []
+    for _ in range(repeats):
+        before = engine.stats()
+        t = time.perf_counter()
+        res = engine.generate(prompts, d)
+        dt = time.perf_counter() - t
+        gen_s.append(dt)
+        tok_s.append(sum(len(r.token_ids) for r in res) / dt)
+        tpf.append(statistics.mean(r.tpf for r in res))
+        nfe.append(statistics.mean(r.nfe for r in res))
+        bubbles.append(sum(r.bubble_forwards for r in res) / max(sum(r.nfe for r in res), 1))
+        step_times += [s / k for s, k in engine.stats().calls_since(before) if k > 0]
+    return step_times, tok_s, tpf, nfe, bubbles, gen_s
+
+
 def bench_decode(cfg: ModelConfig, params: Any, *, batch: int, prompt_len: int, new_tokens: int,
                  buffer_sizes: list[int], decode: DecodeConfig, repeats: int, seed: int = 0,
                  prefill_chunk: int = 256, moe_impls: list[str] | None = None,
-                 layer_loops: list[str] | None = None, mesh=None,
-                 progress=None) -> dict[str, Any]:
-    """Every (expert path, layer loop, buffer size) on the same prompts, in this process, on
+                 layer_loops: list[str] | None = None, attention_impls: list[str] | None = None,
+                 mesh=None, progress=None) -> dict[str, Any]:
+    """Every (expert path, layer loop, attention, buffer size) on the same prompts, in this process, on
     `mesh`; `params` are in `cfg`'s layout; `progress` (a callable taking a message) hears about
     each variant as it starts."""
     rng = np.random.default_rng(seed)
@@ -72,14 +91,15 @@ def bench_decode(cfg: ModelConfig, params: Any, *, batch: int, prompt_len: int, 
     prompts = [rng.choice(allowed, prompt_len).tolist() for _ in range(batch)]
     gflops = matmul_gflops()
     rows = []
-    variants = [(impl, loop, n) for impl in (moe_impls or [cfg.moe_impl])
-                for loop in (layer_loops or [cfg.layer_loop]) for n in buffer_sizes]
+    variants = [(impl, loop, att, n) for impl in (moe_impls or [cfg.moe_impl])
+                for loop in (layer_loops or [cfg.layer_loop])
+                for att in (attention_impls or [cfg.attention_impl]) for n in buffer_sizes]
     base_cfg = cfg
-    for i, (impl, loop, n_buf) in enumerate(variants):
+    for i, (impl, loop, att, n_buf) in enumerate(variants):
         if progress is not None:
             progress(f"variant {i + 1}/{len(variants)}: moe_impl {impl}, layer loop {loop}, "
-                     f"N_buf {n_buf} (compile, then {repeats} timed runs)")
-        cfg = dataclasses.replace(base_cfg, moe_impl=impl, layer_loop=loop)
+                     f"attention {att}, N_buf {n_buf} (compile, then {repeats} timed runs)")
+        cfg = dataclasses.replace(base_cfg, moe_impl=impl, layer_loop=loop, attention_impl=att)
         d = dataclasses.replace(decode, buffer_size=n_buf, max_new_tokens=new_tokens,
                                 ignore_eos=True)  # every row decodes new_tokens
         variant_params = layout.relayout(params, base_cfg, cfg)
@@ -91,19 +111,8 @@ def bench_decode(cfg: ModelConfig, params: Any, *, batch: int, prompt_len: int, 
         warm_s = time.perf_counter() - t0
         compiles_warm = compile_stats.compiles() - c0
         compile_s = compile_stats.compile_seconds() - s0
-        step_times, tok_s, tpf, nfe, bubbles, gen_s = [], [], [], [], [], []
         c1 = compile_stats.compiles()
-        for _ in range(repeats):
-            before = engine.stats()
-            t = time.perf_counter()
-            res = engine.generate(prompts, d)
-            dt = time.perf_counter() - t
-            gen_s.append(dt)
-            tok_s.append(sum(len(r.token_ids) for r in res) / dt)
-            tpf.append(statistics.mean(r.tpf for r in res))
-            nfe.append(statistics.mean(r.nfe for r in res))
-            bubbles.append(sum(r.bubble_forwards for r in res) / max(sum(r.nfe for r in res), 1))
-            step_times += [s / k for s, k in engine.stats().calls_since(before) if k > 0]
+        step_times, tok_s, tpf, nfe, bubbles, gen_s = _timed_runs(engine, prompts, d, repeats)
         step = statistics.median(step_times)
         context = prompt_len + new_tokens / 2  # mean visible keys over the run
         flops = step_flops(cfg, batch, n_buf * cfg.block_size, context)
@@ -112,6 +121,7 @@ def bench_decode(cfg: ModelConfig, params: Any, *, batch: int, prompt_len: int, 
             "moe_paths": engine.moe_paths,  # the path each decode program ran (measure: timed)
             "experts_split": engine.experts_split,  # per-expert weights (model/layout.py)
             "layer_loop": layout.resolve_loop(loop, engine.cfg.platform),
+            "attention_impl": att,
             "buffer_size": n_buf,
             "tokens_per_s": statistics.median(tok_s),
             "tpf": statistics.median(tpf),
@@ -145,7 +155,7 @@ def format_table(report: dict[str, Any]) -> str:
             f"{report['prompt_len']}, new {report['new_tokens']}, {report['backend']}, matmul "
             f"{report['matmul_gflops']:.0f} GFLOP/s, mesh "
             f"{','.join(f'{k}={v}' for k, v in report['mesh'].items())}")
-    cols = ["moe_impl", "layer_loop", "buffer_size", "tokens_per_s", "tpf", "bubble_share", "step_ms", "compile_s",
+    cols = ["moe_impl", "layer_loop", "attention_impl", "buffer_size", "tokens_per_s", "tpf", "bubble_share", "step_ms", "compile_s",
             "achieved_gflops", "utilisation", "peak_memory_mb", "compiles_after_warmup"]
     lines = [head, " ".join(f"{c:>14}" for c in cols)]
     for r in report["rows"]:

@@ -237,7 +237,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
                         "not used here")
     import typing
 
-    from mbd_jax.config import LayerLoop, MoeImpl
+    from mbd_jax.config import AttentionImpl, LayerLoop, MoeImpl
 
     def choices(flag: str, value: str | None, allowed: tuple[str, ...]) -> list[str] | None:
         items = value.split(",") if value else None
@@ -249,11 +249,13 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
 
     impls = choices("--moe-impl", args.moe_impl, typing.get_args(MoeImpl))
     loops = choices("--layer-loop", args.layer_loop, typing.get_args(LayerLoop))
+    attention = choices("--attention-impl", args.attention_impl, typing.get_args(AttentionImpl))
     mesh = multihost.mesh_from_args(args)
     model = load_model(args.model, random_weights=args.random_weights, mesh=mesh)
     report = bench_decode(model.cfg, model.params, batch=args.batch, prompt_len=args.prompt_len,
                           new_tokens=args.new_tokens, buffer_sizes=sizes, decode=decode,
-                          repeats=args.repeats, moe_impls=impls, layer_loops=loops, mesh=mesh,
+                          repeats=args.repeats, moe_impls=impls, layer_loops=loops,
+                          attention_impls=attention, mesh=mesh,
                           prefill_chunk=args.prefill_chunk,
                           progress=_progress if multihost.is_leader() else None)
     if not multihost.is_leader():
@@ -499,6 +501,8 @@ def _bench_command(sub) -> None:
                                       "the model's)")
     d.add_argument("--layer-loop", help="layer loops to compare, e.g. unrolled,scan (default: the "
                                         "model's)")
+    d.add_argument("--attention-impl", help="attention paths to compare, e.g. chunked,pallas "
+                                            "(default: the model's)")
     d.add_argument("--json", action="store_true")
     _add_decode_flags(d, buffer_size_list=True)
     _add_compile_cache_flag(d, default="off")

@@ -81,11 +81,12 @@ def decode_step(cfg: ModelConfig, target: Target, n_devices: int, param_bytes: i
     flops = step_flops(cfg, batch, window, context)
     peak = target.peak_flops.get(BF16 if cfg.compute_dtype == "bfloat16" else F32, 0.0)
     compute_s = flops / (n_devices * peak) if peak else float("inf")
-    # weights a step reads: every dense one, and of the routed experts those its tokens hit
-    # (at most all); the KV of the visible positions
+    # weights a step reads: every dense one, and of the routed experts those its tokens hit (the
+    # expected share of distinct experts when each token picks k of E uniformly); the KV of the
+    # visible positions
     total, active = sizes.num_params(cfg), sizes.active_params_per_token(cfg)
     routed = max(total - active, 0) / max(total, 1)
-    hit = min(1.0, batch * window * cfg.num_experts_per_tok / cfg.num_experts) \
+    hit = 1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** (batch * window) \
         if cfg.num_experts else 1.0
     read = param_bytes * ((1 - routed) + routed * hit) + kv_bytes * min(1.0, context / capacity)
     hbm_s = read / target.hbm_bytes_per_s
@@ -135,11 +136,25 @@ def plan(cfg: ModelConfig, target: str, hosts: int, per_host: int, mesh_spec: st
     report["decode_step"] = decode_step(
         cfg, facts, len(devices), layout.param_bytes, layout.kv_bytes, shape.batch_size, window,
         min(context or cfg.max_seq_len, cfg.max_seq_len), layout.capacity)
-    # rows that fit beside the rest, at this program's bytes per row of KV (linear in rows)
+    # rows that fit beside the rest, at this program's bytes per row of KV (linear in rows), and
+    # the positions per row that fit at this batch (linear in positions)
     per_row = layout.kv_bytes / shape.batch_size
     spare = budget * facts.hbm_bytes - (peak - layout.kv_bytes)
     report["rows_that_fit"] = max(int(spare // per_row), 0) if per_row else None
+    report["context_that_fits"] = max(int(spare / layout.kv_bytes * layout.capacity), 0) \
+        if per_row else None
+    report["prefill"] = prefill_cost(cfg, facts, len(devices), shape.prefill_chunk)
     return report
+
+
+def prefill_cost(cfg: ModelConfig, target: Target, n_devices: int, chunk: int) -> dict[str, float]:
+    """Useful FLOPs per prompt token of a prefill chunk (its keys: the chunk itself, block-causal
+    at the prompt's start, counted whole), and the compute time per 1,000 tokens over every
+    device's matrix units: a lower bound (prefill is compute bound long before decode is)."""
+    per_token = step_flops(cfg, 1, chunk, chunk) / chunk
+    peak = target.peak_flops.get(BF16 if cfg.compute_dtype == "bfloat16" else F32, 0.0)
+    ms = 1e3 * 1000 * per_token / (n_devices * peak) if peak else float("inf")
+    return {"flops_per_token": per_token, "compute_ms_per_1k_tokens": ms}
 
 
 def _size(n: float) -> str:
@@ -166,9 +181,13 @@ def table(report: dict[str, Any]) -> str:
     lines.append(f"decode step (modelled, not measured): {s['step_ms']:.3f} ms, {s['bound']} "
                  f"bound (compute {s['compute_ms']:.3f} ms, HBM {s['hbm_ms']:.3f} ms; "
                  "collectives and kernel efficiency not modelled)")
+    p = report["prefill"]
+    lines.append(f"prefill (modelled): {p['flops_per_token'] / 1e9:.2f} GFLOP per prompt token, "
+                 f"at least {p['compute_ms_per_1k_tokens']:.2f} ms per 1,000 tokens (compute)")
     verdict = "fits" if report["fits"] else "DOES NOT FIT"
     lines.append(f"{verdict} within {100 * report['budget']:.0f}% of HBM; rows that fit at this "
-                 f"context: {report['rows_that_fit']}")
+                 f"context: {report['rows_that_fit']}; positions per row that fit at this batch: "
+                 f"{report['context_that_fits']}")
     return "\n".join(lines)
 
 

@@ -76,6 +76,7 @@ def test_compile_cache_setting():
     (["train", "--config", "no/such.yaml"], "cannot read config file no/such.yaml"),
     (["bench", "decode", "--max-new-tokens", "5"], "--max-new-tokens is not used here"),
     (["bench", "decode", "--moe-impl", "dense,fast"], "--moe-impl 'fast': expected"),
+    (["bench", "decode", "--attention-impl", "chunked,flash"], "--attention-impl 'flash': expected"),
     (["generate", "--prompt", "hi", "--attention-chunk", "0"], "'attention_chunk' must be > 0"),
 ])
 def test_bad_input_gives_a_clear_error(args, needle, capsys):
@@ -133,6 +134,7 @@ def test_bench_random_weights_runs_a_shape_only_preset(tmp_path):
     report = json.loads(r.stdout.strip().splitlines()[-1])
     assert report["rows"][0]["tokens_per_s"] > 0 and report["rows"][0]["compiles_after_warmup"] == 0
     assert report["rows"][0]["experts_split"] is False  # tiny-random's dense path: stacked
+    assert report["rows"][0]["attention_impl"] == "chunked"  # the model's
 
 
 def test_runtime_settings_override_a_checksummed_model():

@@ -135,3 +135,13 @@ def test_a_toy_layer_kind_runs_through_admission_offload_and_the_prefix_store(mo
     # nothing outside this test names the kind
     package = pathlib.Path(__file__).parent.parent / "mbd_jax"
     assert not [p for p in package.rglob("*.py") if "running_sum" in p.read_text()]
+
+
+def test_the_config_accepts_exactly_the_registered_layer_types():
+    """The YAML's `layer_types` (config/model.py's LayerType) and the registry of mixers and
+    cache kinds (model/layer_types.py) name the same types: one can not grow without the other."""
+    import typing
+
+    from mbd_jax.config.model import LayerType
+
+    assert set(typing.get_args(LayerType)) == set(layer_types.LAYER_TYPES)

@@ -24,12 +24,12 @@ BLOCK, PAGE, KV_HEADS, HEAD_DIM = 8, 16, 2, 16
 PAGES_PER_ROW, POOL_PAGES = 8, 40
 
 
-def pool(seed: int, rows: int):
+def pool(seed: int, rows: int, page: int = PAGE):
     """A random pool and a page table whose rows 0 and 1 share their first two pages (a shared
     prompt prefix) and otherwise hold distinct pages in a random order."""
     rng = np.random.default_rng(seed)
-    k = rng.standard_normal((POOL_PAGES, PAGE, KV_HEADS, HEAD_DIM)).astype(np.float32)
-    v = rng.standard_normal((POOL_PAGES, PAGE, KV_HEADS, HEAD_DIM)).astype(np.float32)
+    k = rng.standard_normal((POOL_PAGES, page, KV_HEADS, HEAD_DIM)).astype(np.float32)
+    v = rng.standard_normal((POOL_PAGES, page, KV_HEADS, HEAD_DIM)).astype(np.float32)
     order = rng.permutation(POOL_PAGES)
     table = np.full((rows, PAGES_PER_ROW), POOL_PAGES, np.int32)
     taken = 0
@@ -42,7 +42,7 @@ def pool(seed: int, rows: int):
 
 def reference(q, k, v, table, q_pos, visible_len, rows=None):
     kv = PagedKV(k=(k,), v=(v,), table=table)
-    return layers.chunked_attention(q, kv, 0, q_pos, visible_len, BLOCK, PAGE, rows)
+    return layers.chunked_attention(q, kv, 0, q_pos, visible_len, BLOCK, k.shape[1], rows)
 
 
 @pytest.mark.parametrize("n_buf", [1, 2, 4])
@@ -58,6 +58,20 @@ def test_a_decode_window_equals_the_reference(n_buf, heads):
     visible_len = jnp.asarray(cached + t)
     q_pos = jnp.asarray(cached[:, None] + np.arange(t, dtype=np.int32)[None])
     q = jnp.asarray(rng.standard_normal((rows, t, heads, HEAD_DIM)).astype(np.float32))
+    got = paged_attention(q, k, v, table, q_pos, visible_len, BLOCK, interpret=True)
+    np.testing.assert_allclose(got, reference(q, k, v, table, q_pos, visible_len), atol=2e-5)
+
+
+def test_pages_larger_than_a_key_tile_are_read_tile_by_tile():
+    """Pages of 128 positions are read in key tiles of 64 (shared memory on a GPU): lengths that
+    end inside a page's first or second tile, and rows sharing a page, equal the reference."""
+    assert 128 % paged_attention_kernel.KEY_TILE == 0 and paged_attention_kernel.KEY_TILE < 128
+    k, v, table = pool(11, 3, page=128)
+    t = 2 * BLOCK
+    cached = np.array([40, 176, 328], np.int32)  # tiles 0-1, 2-3, 5-6 of the row's pages
+    visible_len = jnp.asarray(cached + t)
+    q_pos = jnp.asarray(cached[:, None] + np.arange(t, dtype=np.int32)[None])
+    q = jnp.asarray(np.random.default_rng(12).standard_normal((3, t, 4, HEAD_DIM)), jnp.float32)
     got = paged_attention(q, k, v, table, q_pos, visible_len, BLOCK, interpret=True)
     np.testing.assert_allclose(got, reference(q, k, v, table, q_pos, visible_len), atol=2e-5)
 

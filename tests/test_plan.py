@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from mbd_jax.config import load_model_config
@@ -51,6 +52,13 @@ def test_plan_reports_the_bytes_the_shapes_give(tmp_path):
     step = report["decode_step"]
     assert step["bound"] == "HBM bandwidth" and 0 < step["step_ms"] < 1  # tiny: bytes, not FLOPs
     assert report["rows_that_fit"] > 4
+    # both linear in the KV bytes: the positions per row at batch 4 are the rows' capacity
+    # scaled by rows that fit / 4 (within one row's worth)
+    per_batch = report["rows_that_fit"] * capacity / 4
+    assert abs(report["context_that_fits"] - per_batch) <= capacity / 4 + 1
+    # prefill: at least two FLOPs per active non-embedding weight per prompt token
+    assert report["prefill"]["flops_per_token"] > 2 * (
+        sizes.active_params_per_token(cfg) - cfg.vocab_size * cfg.hidden_size)
     # the same engine on a target file whose device holds 2 MB: does not fit, exit 1
     target = tmp_path / "small.txtpb"
     target.write_text(re.sub(r"device_memory_size: \d+", "device_memory_size: 2000000",
@@ -72,3 +80,24 @@ def test_plan_refuses_bad_targets_topologies_and_meshes(args, message):
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert len([line for line in r.stderr.splitlines() if line.startswith("error:")
                 or "error:" in line]) == 1, r.stderr
+
+
+def test_the_modelled_step_reads_the_experts_uniform_routing_hits():
+    """The decode model reads the dense weights, and of the routed experts the share a step's
+    tokens hit: at LLaDA2-mini's shape (8 of 256 per token) it equals a simulation of tokens
+    each picking 8 distinct experts at random, within 2% of the bytes, for 1 to 512 tokens."""
+    from mbd_jax import plan as planner
+
+    cfg = load_model_config(MODEL_PRESET_DIR / "llada2-mini.yaml")
+    target = planner.Target("test", 141 << 30, 4.8e12, {planner.BF16: 1e15})
+    total, active = sizes.num_params(cfg), sizes.active_params_per_token(cfg)
+    rng = np.random.default_rng(0)
+    for tokens in (1, 32, 64, 512):
+        picks = [rng.permuted(np.arange(cfg.num_experts))[: cfg.num_experts_per_tok]
+                 for _ in range(tokens) for _ in range(50)]
+        shares = [len(np.unique(np.concatenate(picks[i * tokens:(i + 1) * tokens])))
+                  / cfg.num_experts for i in range(50)]
+        routed = (total - active) / total
+        want = total * 2 * ((1 - routed) + routed * float(np.mean(shares)))
+        step = planner.decode_step(cfg, target, 1, total * 2, 0, 1, tokens, 0, 1)
+        assert step["bytes_read_per_device"] == pytest.approx(want, rel=0.02), tokens

@@ -65,8 +65,11 @@ def topology_devices(target: str, hosts: int = 1, per_host: int = 8,
 
 def too_large(error: Exception) -> bool:
     """Whether a compile failed because the program's buffers exceed the device's memory (XLA
-    says so in a warning and then fails with cudaErrorInvalidDevice)."""
+    says so in a warning and then fails with cudaErrorInvalidDevice). A kernel over its shared
+    memory is RESOURCE_EXHAUSTED too, but no larger HBM helps it: not this."""
     text = str(error)
+    if "Shared memory size limit" in text:
+        return False
     return "cudaErrorInvalidDevice" in text or "exceeds the base limit" in text \
         or "RESOURCE_EXHAUSTED" in text
 

@@ -4,8 +4,9 @@ Pallas' interpreter elsewhere): `attention_impl: pallas`. The pure-JAX online-so
 
 One kernel instance per (query row, kv head, tile of queries): it holds its tile of queries
 ([TQ, Dh], the G query heads of the kv head stacked along the query axis) and walks the row's
-pages through the page table, one page ([page, Dh] of K and of V) per loop step, with an online
-softmax in float32. Each row reads only the pages its own queries can see (below its visible
+pages through the page table, one tile of keys ([KT, Dh] of K and of V, KT = 64 or the page) per
+loop step, with an online softmax in float32 (a whole 512-position page of K and V at head_dim
+128 would ask 528 KiB of shared memory, over an H200's 227). Each row reads only the pages its own queries can see (below its visible
 length and the end of its latest query block), not the longest row's, and a free row reads none.
 
 Why Triton and not Mosaic GPU: the kernel's work is a gather of whole pages by a table read
@@ -28,6 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 
 MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # a masked score: finite, so m - m is 0
 MAX_QUERY_TILE = 64  # queries per kernel instance (a prefill chunk's are split into tiles)
+KEY_TILE = 64  # keys per loop step, when it divides the page (else the whole page)
 NUM_WARPS, NUM_STAGES = 4, 2  # Triton launch settings (untuned: no GPU has timed them yet)
 
 
@@ -48,23 +50,25 @@ def check_shapes(page: int, head_dim: int) -> str | None:
 
 
 def _kernel(rows_ref, visible_ref, table_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *,
-            block_size: int, page: int):
+            block_size: int, page: int, keys: int):
     # rows, visible: [B]; table: [B, pages per row]; pos: [TQ]; q: [TQ, Dh];
     # k, v: [P, page, K, Dh] (the whole layer pool); o: [TQ, Dh]
     b, head = pl.program_id(0), pl.program_id(1)
     row, vis = rows_ref[b], visible_ref[b]
     q, pos = q_ref[...], pos_ref[...]
-    # the pages this tile can see: below the row's visible length and its last block's end
+    # the keys this tile can see: below the row's visible length and its last block's end
     need = jnp.minimum(vis, jnp.max((pos // block_size + 1) * block_size))
-    n_pages = (jnp.maximum(need, 0) + page - 1) // page
+    n_tiles = (jnp.maximum(need, 0) + keys - 1) // keys
+    per_page = jnp.int32(page // keys)
 
-    def step(i, carry):
+    def step(i, carry):  # key tile i: positions [i * keys, (i + 1) * keys)
         m, l, acc = carry  # [TQ], [TQ], [TQ, Dh] float32
-        where = table_ref[row, i]
-        k = k_ref[where, :, head, :].astype(q.dtype)  # [page, Dh]
-        v = v_ref[where, :, head, :].astype(q.dtype)
-        s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32)  # [TQ, page]
-        mask = visible(pos, i * page + jnp.arange(page), vis, block_size)
+        # (lax.rem: jnp's % lowers to Triton with mismatched operand types)
+        where, first = table_ref[row, i // per_page], jax.lax.rem(i, per_page) * keys
+        k = k_ref[where, pl.ds(first, keys), head, :].astype(q.dtype)  # [keys, Dh]
+        v = v_ref[where, pl.ds(first, keys), head, :].astype(q.dtype)
+        s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32)  # [TQ, keys]
+        mask = visible(pos, i * keys + jnp.arange(keys), vis, block_size)
         s = jnp.where(mask, s, MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)  # a query with nothing seen: 0
@@ -75,7 +79,7 @@ def _kernel(rows_ref, visible_ref, table_ref, pos_ref, q_ref, k_ref, v_ref, o_re
     tq, dh = q.shape
     init = (jnp.full((tq,), MASKED, jnp.float32), jnp.zeros((tq,), jnp.float32),
             jnp.zeros((tq, dh), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, n_pages, step, init)
+    _, l, acc = jax.lax.fori_loop(0, n_tiles, step, init)
     o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
 
 
@@ -104,7 +108,8 @@ def paged_attention(q: jax.Array, k_layer: jax.Array, v_layer: jax.Array, table:
     rows = jnp.arange(b, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     out = pl.pallas_call(
-        functools.partial(_kernel, block_size=block_size, page=page),
+        functools.partial(_kernel, block_size=block_size, page=page,
+                          keys=KEY_TILE if page % KEY_TILE == 0 else page),
         grid=(b, kh, padded // tile),
         in_specs=[whole(rows.shape), whole(visible_len.shape), whole(table.shape),
                   pl.BlockSpec((None, tile), lambda r, k, i: (r, i)),
