@@ -31,7 +31,7 @@ $(VENV)/gpu-compile/.installed: pyproject.toml | $(BIN)/python
 ## make run: install and start the HTTP service on the embedded default model (Ctrl-C stops it);
 ## PORT=... and ADMIN_PORT=... (default 9100; 0: none) move it; MBD_<SECTION>_<FIELD>=... sets any setting
 run: $(VENV)/.installed
-	$(BIN)/mbd-jax serve --config configs/serve.yaml --port $(PORT) $(if $(ADMIN_PORT),--admin-port $(ADMIN_PORT))
+	$(BIN)/mbd-jax serve --port $(PORT) $(if $(ADMIN_PORT),--admin-port $(ADMIN_PORT))
 
 ## make generate: one offline generation (a chat turn) on the default model
 generate: $(VENV)/.installed

@@ -266,11 +266,13 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def serve_config(args: argparse.Namespace):
+    """The service's settings: --config (default: the shipped configs/serve.yaml, as `make run`),
+    then MBD_* variables, then the flags given."""
     from mbd_jax.config import load_serve_config
-    from mbd_jax.serving.server import load_api_keys, serve
+    from mbd_jax.config.paths import DEFAULT_SERVE_CONFIG
 
-    cfg = load_serve_config(args.config, env=os.environ, **{
+    return load_serve_config(args.config or DEFAULT_SERVE_CONFIG, env=os.environ, **{
         "model": args.model, "server.host": args.host, "server.port": args.port,
         "server.admin_host": args.admin_host, "server.admin_port": args.admin_port,
         "server.max_batch_size": args.max_batch_size,
@@ -278,6 +280,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "server.compile_cache": args.compile_cache,
         "server.ssl_certfile": args.ssl_certfile, "server.ssl_keyfile": args.ssl_keyfile,
         **{f"runtime.{k}": v for k, v in _runtime(args).items()}})
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from mbd_jax.serving.server import load_api_keys, serve
+
+    cfg = serve_config(args)
     keys = load_api_keys(args.api_key_file) + (args.api_key or [])
     return serve(cfg, keys, mesh=multihost.mesh_from_args(args))
 
@@ -409,7 +417,8 @@ def _serve_command(sub) -> None:
                               "MBD_<SECTION>_<FIELD>, e.g. MBD_SERVER_PORT=8001 (the command line "
                               "wins over the environment, which wins over the file).")
     s.add_argument("--model", help="preset, YAML or model dir (default: the config's, tiny-mbd)")
-    s.add_argument("--config", help="serve config YAML (configs/serve.yaml)")
+    s.add_argument("--config", help="serve config YAML (default: the shipped configs/serve.yaml, "
+                                    "what `make run` serves with)")
     s.add_argument("--host")
     s.add_argument("--port", type=int)
     s.add_argument("--admin-host")

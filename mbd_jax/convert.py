@@ -494,8 +494,12 @@ def convert(src: str | pathlib.Path, dst: str | pathlib.Path, *, family: str = "
 def _source_config(src: pathlib.Path, family: str, dtype: str, mask_token_id: int | None,
                    block_size: int | None, block_mode: str | None) -> tuple[str, ModelConfig]:
     """(the family, the model config) a checkpoint's config.json gives."""
+    if not src.is_dir():
+        raise UserError(f"--src {src}: no such directory (a Hugging Face checkpoint directory "
+                        "with config.json and its weights)")
     if not (src / "config.json").is_file():
-        raise UserError(f"--src {src}: no config.json")
+        raise UserError(f"--src {src}: no config.json (a Hugging Face checkpoint directory has "
+                        "one beside its weights)")
     hf = json.loads((src / "config.json").read_text())
     family = detect_family(hf) if family == "auto" else family
     hf = text_config(hf)

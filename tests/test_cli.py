@@ -77,6 +77,7 @@ def test_compile_cache_setting():
     (["bench", "decode", "--max-new-tokens", "5"], "--max-new-tokens is not used here"),
     (["bench", "decode", "--moe-impl", "dense,fast"], "--moe-impl 'fast': expected"),
     (["bench", "decode", "--attention-impl", "chunked,flash"], "--attention-impl 'flash': expected"),
+    (["convert", "--src", "/no/such/checkpoint", "--dst", "/tmp/unused"], "no such directory"),
     (["generate", "--prompt", "hi", "--attention-chunk", "0"], "'attention_chunk' must be > 0"),
 ])
 def test_bad_input_gives_a_clear_error(args, needle, capsys):
@@ -195,3 +196,23 @@ def test_eval_tools_refuse_bad_sizes_before_loading_a_model(tool, args, message)
     r = subprocess.run([sys.executable, str(ROOT / "tools" / tool), *args], capture_output=True,
                        text=True, cwd=ROOT, env=env, timeout=120)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_serve_without_a_config_serves_what_make_run_does():
+    """`mbd-jax serve` alone (what `make run` starts) reads the shipped configs/serve.yaml: its
+    settings (prefix cache on, MultiBD N_buf 2, the token limits), not the dataclass defaults."""
+    from mbd_jax import cli
+    from mbd_jax.config import load_serve_config
+
+    plain = cli.serve_config(cli.build_parser().parse_args(["serve"]))
+    make_run = load_serve_config(ROOT / "configs" / "serve.yaml", env=os.environ)
+    assert plain == make_run
+    assert plain.cache.enabled and plain.decoding.buffer_size == 2
+    assert plain.generation.max_new_tokens_limit == 224
+
+
+def test_an_unconverted_checkpoint_as_model_says_to_convert_it(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3"}')
+    r = run("generate", "--model", str(tmp_path), "--prompt", "hi")
+    assert r.returncode == 2 and "convert it first, e.g. mbd-jax convert --src" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -18,7 +18,8 @@ from mbd_jax.config import DecodeConfig, ServeConfig, ServerConfig
 from mbd_jax.engine import Engine
 from mbd_jax.serving.metrics import Metrics
 from mbd_jax.serving.request import Request
-from mbd_jax.serving.scheduler import EngineDown, Scheduler
+from mbd_jax.serving.refusals import EngineDown
+from mbd_jax.serving.scheduler import Scheduler
 from tests.conftest import tiny_cfg, tiny_params
 
 GOOD = DecodeConfig(buffer_size=2, max_new_tokens=24)

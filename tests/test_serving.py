@@ -634,3 +634,53 @@ def test_https_on_the_data_port_and_plain_http_refused_there(tmp_path, offline):
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 2 and "server.ssl_certfile" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_the_info_log_has_every_request_one_start_and_no_noise(tmp_path):
+    """At log_level info: every warm-up step (the decode loop too) and every request has its
+    line (12 alike in a row: none dropped as repeats), uvicorn's start is said once for the two
+    ports, and neither orbax's checkpoint narration nor the /ready and /metrics polls appear."""
+    s = Server(tmp_path, [KEY], sections={"monitoring": {"log_level": "info"}})
+    try:
+        for _ in range(12):
+            r = httpx.post(s.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                           json={"model": "tiny-test", "prompt": "12+30=", "max_tokens": 4},
+                           timeout=60)
+            assert r.status_code == 200, r.text
+        assert httpx.get(s.admin + "/metrics", timeout=10).status_code == 200
+        text = s.log_text()
+    finally:
+        s.stop()
+    assert "warm-up: compiling the decode loop" in text, text[-3000:]
+    assert len(re.findall(r"POST /v1/completions status=200", text)) == 12, text[-3000:]
+    assert text.count("Started server process") == 1, text[-3000:]
+    assert " absl: " not in text and "GET /ready" not in text and "GET /metrics" not in text
+
+
+def test_ctrl_c_during_warm_up_stops_at_once_and_is_never_ready(tmp_path):
+    """SIGINT while the warm-up compiles (no compile cache: every program compiles): the process
+    exits with 0, the compile loop stops there (no "engine ready", no warm-up step logged after
+    the stop), and it does not wait for the rest of the warm-up."""
+    from tests.live_server import free_port
+
+    (tmp_path / "serve.yaml").write_text("model: tiny-test\nmonitoring:\n  log_level: info\n"
+                                         "cache:\n  enabled: false\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mbd_jax", "serve", "--config", str(tmp_path / "serve.yaml"),
+         "--port", str(free_port()), "--admin-port", "0", "--compile-cache", "off"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    lines = []
+    for line in proc.stdout:  # until the warm-up has begun
+        lines.append(line)
+        if "warm-up: compiling prefill" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    signalled = len(lines)
+    lines += proc.stdout.readlines()
+    assert proc.wait(timeout=120) == 0, "".join(lines)
+    after = "".join(lines[signalled:])
+    assert "stopped during warm-up" in after or "stopping during warm-up" in after, after
+    assert "engine ready" not in after and "warm-up done" not in after, after
+    steps = [line for line in lines[signalled:] if "warm-up: compiling" in line]
+    assert len(steps) <= 1, after  # at most the step that was starting when the signal came

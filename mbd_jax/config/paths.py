@@ -16,6 +16,8 @@ DATA_ROOT = _PACKAGE.parent if IN_CHECKOUT else _PACKAGE
 REPO_ROOT = _PACKAGE.parent if IN_CHECKOUT else pathlib.Path.cwd()
 MODEL_PRESET_DIR = DATA_ROOT / "configs" / "models"  # architectures (random init or shape only)
 SHIPPED_MODEL_DIR = DATA_ROOT / "models"  # trained models shipped with mbd-jax (tiny-bd, tiny-mbd)
+# The service's settings when `mbd-jax serve` is given no --config (what `make run` serves with)
+DEFAULT_SERVE_CONFIG = DATA_ROOT / "configs" / "serve.yaml"
 
 
 def available_presets() -> list[str]:
@@ -44,6 +46,10 @@ def resolve_model_path(model: str) -> pathlib.Path:
         if (p / "config.yaml").is_file():
             return p / "config.yaml"
         newest = latest_version(p)
+        if newest is None and (p / "config.json").is_file():
+            raise ConfigError(f"--model {model}: a Hugging Face checkpoint (config.json, no "
+                              f"config.yaml): convert it first, e.g. mbd-jax convert --src {model} "
+                              f"--dst models/{p.resolve().name}")
         if newest is None:
             raise ConfigError(f"--model {model}: the directory has no config.yaml and no version "
                               "subdirectory (v1/, v2/, ...) holding one")

@@ -30,7 +30,8 @@ from mbd_jax.stop_strings import StopStrings
 from mbd_jax.serving import protocol
 from mbd_jax.serving.body import BodyError, parse_object
 from mbd_jax.serving.request import Request
-from mbd_jax.serving.scheduler import Draining, EngineDown, QueueFull, Scheduler
+from mbd_jax.serving.refusals import Draining, EngineDown, QueueFull
+from mbd_jax.serving.scheduler import Scheduler
 
 log = logging.getLogger("mbd_jax.serving")
 

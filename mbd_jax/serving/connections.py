@@ -116,8 +116,11 @@ def connection_budget(ports: int, wanted: int, reserve: int = 128) -> int:
 
 
 class RepeatFilter(logging.Filter):
-    """Lets through at most `burst` records of the same (logger, level, message template) per
-    `window_s`; the first one after a quiet window says how many were dropped."""
+    """Lets through at most `burst` warnings or errors of the same (logger, level, message
+    template) per `window_s` (the floods: a failed accept per connection, a malformed request per
+    packet); the first one after a quiet window says how many were dropped. INFO and DEBUG lines
+    all pass: one per event the service chose to log (a request, a warm-up step), each of which
+    someone may need to find."""
 
     def __init__(self, burst: int = 5, window_s: float = 60.0) -> None:
         super().__init__()
@@ -125,6 +128,8 @@ class RepeatFilter(logging.Filter):
         self._seen: dict[tuple, list[float]] = {}  # key -> [window start, count, dropped]
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
         key = (record.name, record.levelno, str(record.msg)[:200])
         now = time.monotonic()
         entry = self._seen.get(key)
@@ -143,10 +148,28 @@ class RepeatFilter(logging.Filter):
         return False
 
 
+class FirstOnly(logging.Filter):
+    """Drops every record of `template` after the first (uvicorn says "Started server process"
+    once per port it serves)."""
+
+    def __init__(self, template: str) -> None:
+        super().__init__()
+        self.template, self.seen = template, False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg) != self.template:
+            return True
+        seen, self.seen = self.seen, True
+        return not seen
+
+
 def quiet_repeats(logger_names=("", "uvicorn", "uvicorn.error", "uvicorn.access", "asyncio")) -> None:
-    """Installs one RepeatFilter on every handler of these loggers."""
+    """Installs one RepeatFilter on every handler of these loggers, and one "started" line."""
     flt = RepeatFilter()
     for name in logger_names:
         for handler in logging.getLogger(name).handlers:
             if not any(isinstance(f, RepeatFilter) for f in handler.filters):
                 handler.addFilter(flt)
+    started = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, FirstOnly) for f in started.filters):
+        started.addFilter(FirstOnly("Started server process [%d]"))

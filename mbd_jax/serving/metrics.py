@@ -114,6 +114,17 @@ class Metrics:
         if engine is not None and engine.prefix_cache:
             self._prefix_cache(engine.stats)
 
+    def request_done(self, result, seconds: float) -> None:
+        """A request's result was sent (`seconds` after it arrived)."""
+        self.latency.observe(seconds)
+        self.generated_tokens.inc(len(result.token_ids))
+        self.prompt_tokens.inc(result.prompt_tokens)
+        self.finished.labels(result.finish_reason).inc()
+        self.nfe.inc(result.nfe)
+        self.tpf.observe(result.tpf)
+        if not result.token_ids:
+            self.empty.inc()
+
     def _prefix_cache(self, stats) -> None:
         """Counters and gauges read from the engine's statistics snapshot (`stats()`: the prefix
         store's and the offloader's counters) when scraped."""

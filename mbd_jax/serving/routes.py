@@ -47,10 +47,16 @@ def build_apps(svc: Service, admin_port: bool = True) -> tuple[Starlette, Starle
             Starlette(routes=admin, exception_handlers=handlers))
 
 
+# Paths a load balancer or Prometheus polls every few seconds: their log lines are DEBUG
+PROBES = frozenset({"/health", "/ready", "/metrics"})
+
+
 def route(svc: Service, path: str, methods: list[str], name: str, handler) -> Route:
     """A Route whose endpoint answers `handler`'s response, or the JSON error of an HTTPError (a
     client gone: 499; anything else: 500, logged), with the request id header, the request
-    counter and one log line."""
+    counter and one log line (INFO; DEBUG for the PROBES)."""
+    level = logging.DEBUG if path in PROBES else logging.INFO
+
     async def endpoint(request: HTTPRequest) -> Response:
         t0 = time.perf_counter()
         rid = request.state.rid = request_id(request)
@@ -66,8 +72,8 @@ def route(svc: Service, path: str, methods: list[str], name: str, handler) -> Ro
                                                 kind="server_error"))
         response.headers["x-request-id"] = rid
         svc.metrics.requests.labels(name, str(response.status_code)).inc()
-        log.info("request %s %s %s status=%d bytes_in=%s ms=%.1f", rid, request.method,
-                 path, response.status_code, request.headers.get("content-length", "-"),
+        log.log(level, "request %s %s %s status=%d bytes_in=%s ms=%.1f", rid, request.method,
+                path, response.status_code, request.headers.get("content-length", "-"),
                  (time.perf_counter() - t0) * 1e3)
         return response
     return Route(path, endpoint, methods=methods, name=name)

@@ -23,33 +23,24 @@ import threading
 import time
 from collections.abc import Callable
 
+import jax
+
 from mbd_jax.config import ServeConfig
 from mbd_jax.engine import Engine, GenerationResult
 from mbd_jax.engine.rows import RowEvent
+from mbd_jax.serving.refusals import Draining, EngineDown, QueueFull, WarmupStopped
 from mbd_jax.serving.request import Request
 
 log = logging.getLogger("mbd_jax.serving")
 
 
-class QueueFull(Exception):
-    pass
-
-
-class Draining(Exception):
-    pass
-
-
-class EngineDown(Exception):
-    """The engine has failed for good; the process is exiting."""
+WARMUP_STOP_S = 1.0  # a stop during warm-up waits this long for the program being compiled
 
 
 class Scheduler:
     def __init__(self, engine: Engine, cfg: ServeConfig, metrics) -> None:
-        self.engine = engine
-        self.cfg = cfg
-        self.metrics = metrics
-        self.ready = False
-        self.draining = False
+        self.engine, self.cfg, self.metrics = engine, cfg, metrics
+        self.ready, self.draining = False, False  # warmed up; shutting down (SIGTERM)
         self._queues = {False: collections.deque(), True: collections.deque()}  # by thinking
         self._running: set[Request] = set()  # admitted, not yet finished or ended
         self._lock = threading.Condition()
@@ -95,20 +86,37 @@ class Scheduler:
             r.emit("error", status, message)
         return len(victims)
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
+        """Stops the engine thread and closes the engine (staged prefix-cache blocks persist).
+        One process still warming up (nothing accepted, nothing staged) waits WARMUP_STOP_S at
+        most for the program being compiled: False if it still runs (the caller exits anyway)."""
         with self._lock:
             self._stop = True
             self._lock.notify()
-        self._thread.join(timeout=30)
+        quick = not self.ready and jax.process_count() == 1  # several: mirrored warm-up calls
+        self._thread.join(timeout=WARMUP_STOP_S if quick else 30)
+        if quick and self._thread.is_alive():
+            return False
         self._voting.shutdown(wait=True, cancel_futures=False)
         self.engine.close()  # persist what is staged for the prefix cache before exiting
+        return True
+
+    def _warmup_progress(self, message: str) -> None:
+        """Logs a warm-up step; a stop asked for ends the warm-up here (between programs)."""
+        if self._stop:
+            raise WarmupStopped
+        log.info("warm-up: %s", message)
 
     # ------------------------------------------------------------ the engine thread
     def _run(self) -> None:
         try:
             t0 = time.monotonic()
-            self.engine.warmup(progress=lambda message: log.info("warm-up: %s", message))
+            self.engine.warmup(progress=self._warmup_progress)
+            if self._stop:  # stopped during the last program: never ready
+                raise WarmupStopped
             self.metrics.warmup.set(time.monotonic() - t0)
+        except WarmupStopped:
+            return
         except BaseException as e:
             self._fatal(e)
             return
@@ -282,14 +290,7 @@ class Scheduler:
                 log.exception("building the result of %s failed", r.id)
                 r.emit("error", 500, "building this request's result failed; see the server log")
                 return
-            self.metrics.latency.observe(now - r.arrived)
-            self.metrics.generated_tokens.inc(len(result.token_ids))
-            self.metrics.prompt_tokens.inc(result.prompt_tokens)
-            self.metrics.finished.labels(result.finish_reason).inc()
-            self.metrics.nfe.inc(result.nfe)
-            self.metrics.tpf.observe(result.tpf)
-            if not result.token_ids:
-                self.metrics.empty.inc()
+            self.metrics.request_done(result, now - r.arrived)
             r.emit("done", result)
 
         if r.decode.voting is None or by_stop:

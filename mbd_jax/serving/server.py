@@ -189,6 +189,10 @@ async def _serve(svc: Service, sockets: list[socket.socket], tls: ssl.SSLContext
     async def drain():
         nonlocal code
         await draining.wait()
+        if not svc.scheduler.ready:  # nothing accepted yet: nothing to drain or announce
+            log.info("stopping during warm-up")
+            stop_servers()
+            return
         log.info("draining: %d requests in flight", svc.scheduler.in_flight())
         svc.scheduler.draining = True
         start = loop.time()
@@ -230,6 +234,8 @@ def setup_logging(m: MonitoringConfig) -> None:
             raise UserError(f"monitoring.log_file {m.log_file}: {e.strerror}") from None
     logging.basicConfig(level=m.log_level.upper(), handlers=[handler], force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # orbax (through absl) narrates every checkpoint read at INFO: only when debugging
+    logging.getLogger("absl").setLevel(logging.DEBUG if m.log_level == "debug" else logging.WARNING)
 
 
 def serve(cfg: ServeConfig, api_keys: list[str], mesh: jax.sharding.Mesh | None = None) -> int:
@@ -250,5 +256,9 @@ def serve(cfg: ServeConfig, api_keys: list[str], mesh: jax.sharding.Mesh | None 
     try:
         code = asyncio.run(_serve(svc, sockets, tls))
     finally:
-        svc.scheduler.stop()  # closes the engine (and tells the followers to exit)
+        stopped = svc.scheduler.stop()  # closes the engine (and tells the followers to exit)
+    if not stopped:  # a stop during warm-up: the compile running now is abandoned, not awaited
+        log.info("stopped during warm-up")
+        logging.shutdown()
+        os._exit(EXIT_OK)
     return EXIT_ENGINE_FAILED if svc.scheduler.error is not None else code
