@@ -103,3 +103,16 @@ def test_generate_refuses_while_steps_run_rows_and_a_record_owns_its_pages(engin
         assert engine.step().error is None
     assert engine.stats().pages_in_use == 0
     assert len(engine.generate([request.prompt], DECODE)) == 1
+
+
+def test_warmup_without_a_callback_logs_each_step(caplog):
+    """The Python API's warm-up says what it compiles: a log line per step when no progress
+    callback is given."""
+    import logging
+
+    eng = Engine(tiny_cfg(), tiny_params(), batch_size=1, buffer_size=1, prefill_chunk=16)
+    with caplog.at_level(logging.INFO, logger="mbd_jax.engine"):
+        eng.warmup()
+    said = [r.getMessage() for r in caplog.records if r.name == "mbd_jax.engine"]
+    assert any("compiling the decode loop" in m for m in said), said
+    assert any("compiling prefill of 16 tokens" in m for m in said) and "warm-up done" in said[-1]

@@ -121,6 +121,15 @@ def test_usage_carries_nfe_and_tpf_and_generate_batches_segments(server, offline
     want = offline([offline.tokenizer.encode(s) for s in segments], max_new_tokens=12)
     assert r.json()["output"] == [w.text for w in want]
     assert [s["nfe"] for s in r.json()["segments"]] == [w.nfe for w in want]
+    # a bad segment among good ones gets its own error entry; the others are served as alone
+    r = httpx.post(server.url + "/generate", headers=h, timeout=60,
+                   json={"segments": [segments[0], "", segments[2], "x " * 600],
+                         "max_new_tokens": 12})
+    assert r.status_code == 200, r.text
+    out, entries = r.json()["output"], r.json()["segments"]
+    assert out == [want[0].text, None, want[2].text, None]
+    assert entries[1]["error"]["code"] == 400 and "segments[1]" in entries[1]["error"]["message"]
+    assert entries[3]["error"]["code"] == 400 and "segments[3]" in entries[3]["error"]["message"]
 
 
 def test_64_concurrent_requests_equal_offline(server, offline):
@@ -177,7 +186,7 @@ def test_64_concurrent_requests_equal_offline(server, offline):
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages"),
     ("/generate", {"segments": []}, "segments"),
     ("/generate", {"segments": ["a"] * 9}, "segments"),
-    ("/generate", {"segments": ["ok", ""]}, "segments[1]"),
+    ("/generate", {"segments": [""]}, "segments[0]"),  # every segment bad: the request fails
 ])
 def test_bad_input_is_a_4xx_naming_the_field(server, path, body, param):
     r = httpx.post(server.url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)

@@ -4,6 +4,7 @@ asks, and the prefill buckets a known set of prompts runs (what a one-shot comma
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -17,6 +18,8 @@ from mbd_jax.engine.host_view import host_tree
 from mbd_jax.engine.pages import page_keys
 from mbd_jax.engine.rows import EngineRequest, StepOutcome
 
+log = logging.getLogger("mbd_jax.engine")
+
 
 def warm_call(engine, t: int, rows: np.ndarray) -> PrefillCall:
     """The call a `t`-token chunk makes (its program): row 0 alone, or the shared one."""
@@ -28,8 +31,9 @@ def warmup(engine, progress: Callable[[str], None] | None = None,
            buckets: Sequence[int] | None = None) -> None:
     """Compiles every program `engine` can run (all prefill buckets, or only `buckets`, the
     prefix cache's loads and gathers, the decode loop over all rows and over one through the
-    engine's own step, the row merge, the host views); `progress` hears about each step."""
-    say = progress or (lambda message: None)
+    engine's own step, the row merge, the host views); `progress` hears about each step
+    (default: an INFO line of the `mbd_jax.engine` logger per step)."""
+    say = progress or (lambda message: log.info("warm-up: %s", message))
     t_start = time.perf_counter()
     b, cfg = engine.batch_size, engine.cfg
     zeros_b, pads = np.zeros(b, np.int32), engine.blank_rows()[0]

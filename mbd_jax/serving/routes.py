@@ -206,9 +206,10 @@ class Routes:
                                  headers={"cache-control": "no-cache"})
 
     async def generate(self, request):
-        """Segments decoded together. A segment that fails (a queue timeout, say) gets its own
-        error entry; the others keep their results. Only when every segment failed is the
-        response an error."""
+        """Segments decoded together. Each segment is checked on its own: one that is bad (empty,
+        too long for the context) or fails (a queue timeout, say) gets its own error entry, the
+        others are served. Only when every segment failed is the response an error; what is
+        wrong with the request as a whole (its fields, too many segments) is a 400."""
         req = self.svc.parse(protocol.GenerateRequest, await self._guarded(request), request)
         if len(req.segments) > self.svc.cfg.server.max_segments:
             raise HTTPError(400, f"{len(req.segments)} segments; the limit is "
@@ -216,13 +217,23 @@ class Routes:
         thinking = self.svc.thinking(req)
         decodes, budget = self.svc.decode_configs(req, thinking, len(req.segments),
                                                   "max_new_tokens")
-        ids = [self.svc.encode(s, f"segments[{i}]") for i, s in enumerate(req.segments)]
-        if budget is not None:
-            for i, p in enumerate(ids):
-                self.svc.check_room(p, decodes[0], f"segments[{i}]", budget)
-        reqs = await self.svc.start(ids, decodes, thinking, req.stop)  # batched together
-        results = await unless_gone(request, reqs, asyncio.gather(
-            *(self.svc.collect(r) for r in reqs), return_exceptions=True))
+        results: list = [None] * len(req.segments)
+        ids = {}  # segment index -> its token ids, for the segments that passed their checks
+        for i, s in enumerate(req.segments):
+            try:
+                ids[i] = self.svc.encode(s, f"segments[{i}]")
+                if budget is not None:
+                    self.svc.check_room(ids[i], decodes[i], f"segments[{i}]", budget)
+            except HTTPError as e:
+                results[i] = e
+                ids.pop(i, None)
+        if ids:
+            reqs = await self.svc.start(list(ids.values()), [decodes[i] for i in ids], thinking,
+                                        req.stop)  # batched together
+            done = await unless_gone(request, reqs, asyncio.gather(
+                *(self.svc.collect(r) for r in reqs), return_exceptions=True))
+            for i, r in zip(ids, done):
+                results[i] = r
         failed = [r for r in results if isinstance(r, BaseException)]
         for r in failed:
             if not isinstance(r, HTTPError):

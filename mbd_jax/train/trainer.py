@@ -287,8 +287,9 @@ class Trainer:
 
     def fit(self, steps: int | None = None, progress: Progress = "bar") -> list[dict[str, float]]:
         """Trains until step `steps` (default tcfg.stop_at, else tcfg.steps), checkpointing every
-        checkpoint_every; `progress`: a bar, a log (one JSON line of metrics per log_every steps
-        on stderr), or nothing."""
+        checkpoint_every; `progress`: a bar, a log (one JSON line of metrics for the first step
+        and every log_every steps on stderr, a line while the first step compiles), or
+        nothing."""
         from tqdm import tqdm
 
         tcfg = self.tcfg
@@ -296,10 +297,18 @@ class Trainer:
         bar = tqdm(total=end, initial=self.step, disable=progress != "bar", unit="step",
                    dynamic_ncols=True)
         t_last, tokens_last = time.perf_counter(), self.example_tokens
+        first = self.step + 1
+        if self.step < end:  # the first step compiles the train step: say so before it waits
+            bar.set_description("compiling the train step")
+            if progress == "log":
+                print("[mbd-jax] compiling the train step (the first step waits for it)",
+                      file=sys.stderr, flush=True)
         while self.step < end:
             metrics = self.train_step()
             bar.update(1)
-            if self.step % tcfg.log_every == 0 or self.step == end:
+            if self.step == first:
+                bar.set_description("training")
+            if self.step % tcfg.log_every == 0 or self.step in (first, end):
                 now = time.perf_counter()
                 metrics["tokens_per_s"] = (self.example_tokens - tokens_last) / (now - t_last)
                 metrics["step"] = self.step
