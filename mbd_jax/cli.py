@@ -304,7 +304,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     """Exit 0 when every check passes, 1 naming each failure (2: bad usage)."""
     from mbd_jax.checkpoint import verify_model_dir
 
-    results = verify_model_dir(args.model_dir)
+    from mbd_jax.config.paths import shipped
+
+    results = verify_model_dir(shipped(args.model_dir))
     failed = [(check, problem) for check, problem in results if problem]
     if args.json:
         print(json.dumps({"model_dir": args.model_dir, "ok": not failed,

@@ -216,3 +216,18 @@ def test_an_unconverted_checkpoint_as_model_says_to_convert_it(tmp_path):
     r = run("generate", "--model", str(tmp_path), "--prompt", "hi")
     assert r.returncode == 2 and "convert it first, e.g. mbd-jax convert --src" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_shipped_names_resolve_from_any_working_directory(tmp_path):
+    """Outside the checkout (as from an installed wheel), a shipped model verifies by name and a
+    shipped training config loads by its relative path."""
+    r = subprocess.run([sys.executable, "-m", "mbd_jax", "verify", "tiny-mbd"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "tiny-mbd: verified" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run([sys.executable, "-c", "from mbd_jax.train.config import load_train_config;"
+                        "print(load_train_config('configs/train/tiny-mbd.yaml').steps)"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and int(r.stdout) > 0, r.stderr
+    r = subprocess.run([sys.executable, "-m", "mbd_jax", "verify", "no-such-model"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "no-such-model" in r.stdout

@@ -20,6 +20,17 @@ SHIPPED_MODEL_DIR = DATA_ROOT / "models"  # trained models shipped with mbd-jax 
 DEFAULT_SERVE_CONFIG = DATA_ROOT / "configs" / "serve.yaml"
 
 
+def shipped(path: str | pathlib.Path) -> pathlib.Path:
+    """`path` when something is there; else, for a relative path, the shipped data's file or
+    directory at it (configs/train/tiny-mbd.yaml from an installed wheel or another working
+    directory), or the shipped model of that name (tiny-mbd); else `path` as given (its own
+    error follows)."""
+    p = pathlib.Path(path)
+    if p.exists() or p.is_absolute():
+        return p
+    return next((c for c in (DATA_ROOT / p, SHIPPED_MODEL_DIR / p) if c.exists()), p)
+
+
 def available_presets() -> list[str]:
     shipped = [p.parent.name for p in SHIPPED_MODEL_DIR.glob("*/config.yaml")]
     return sorted(shipped + [p.stem for p in MODEL_PRESET_DIR.glob("*.yaml")])

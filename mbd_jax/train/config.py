@@ -12,6 +12,7 @@ import yaml
 
 from mbd_jax.config import REPO_ROOT, from_dict, load_yaml
 from mbd_jax.config.fields import _check
+from mbd_jax.config.paths import shipped
 from mbd_jax.errors import ConfigError
 from mbd_jax.train.tasks import FORMAT_WEIGHTS, TRAIN_TASKS
 
@@ -150,8 +151,10 @@ def parse_overrides(pairs: Sequence[str], where: str = "--set") -> dict[str, Any
 
 
 def load_train_config(path: str | pathlib.Path, **overrides) -> TrainConfig:
-    """The config file with `overrides` (field -> value; None keeps the file's) on top."""
-    data = load_yaml(pathlib.Path(path)) or {}
+    """The config file (a shipped one by its relative path from anywhere: paths.shipped) with
+    `overrides` (field -> value; None keeps the file's) on top."""
+    path = shipped(path)
+    data = load_yaml(path) or {}
     if isinstance(data, dict):
         data.update({k: v for k, v in overrides.items() if v is not None})
     return from_dict(TrainConfig, data, where=str(path))
