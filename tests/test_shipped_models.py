@@ -245,7 +245,8 @@ def test_eval_command(tmp_path):
 def test_every_service_path_answers_on_the_default_model(tmp_path):
     """`mbd-jax serve` on the shipped default model with configs/serve.yaml's decoding, over real
     HTTP with the official openai client: raw text through /v1/completions and /generate (the
-    model writes `Answer:` first), a streamed chat with a system line and an earlier turn."""
+    model writes `Answer:` first), a streamed chat with a system line and an earlier turn, and
+    the README's curl and openai examples as written."""
     import httpx
     import openai
     import yaml
@@ -253,7 +254,8 @@ def test_every_service_path_answers_on_the_default_model(tmp_path):
     from tests.live_server import KEY, Server
 
     decoding = yaml.safe_load((ROOT / "configs" / "serve.yaml").read_text())["decoding"]
-    srv = Server(tmp_path, [KEY], sections={"model": "tiny-mbd", "decoding": decoding})
+    # no API keys: open, as `make run` serves (the clients' key is ignored)
+    srv = Server(tmp_path, [], sections={"model": "tiny-mbd", "decoding": decoding})
     try:
         c = srv.openai_client()
         r = c.completions.create(model="tiny-mbd", max_tokens=48,
@@ -286,5 +288,30 @@ def test_every_service_path_answers_on_the_default_model(tmp_path):
             c.chat.completions.create(model="tiny-mbd", max_tokens=48,
                                       extra_body={"decoding": {**edit, "edit_confirm": "later"}},
                                       messages=[{"role": "user", "content": "What is 47+38?"}])
+        readme_examples_run_as_shown(srv.url)
     finally:
         srv.stop()
+
+
+def readme_examples_run_as_shown(url: str) -> None:
+    """The README's first two examples, as written, against a live open service (its port put
+    in): the curl request's body gets the answer the README shows after it, and the openai
+    snippet prints its demo row's answer."""
+    import contextlib
+    import io
+
+    import httpx
+
+    readme = (ROOT / "README.md").read_text()
+    curl = re.search(r"```bash\n(curl -s localhost:8000(\S+) .*?)\n# -> (.+?)\n```", readme, re.S)
+    body = json.loads(re.search(r"-d '(.*)'", curl.group(1), re.S).group(1))
+    r = httpx.post(url + curl.group(2), json=body, timeout=120)  # no key: the service is open
+    assert r.status_code == 200, r.text
+    assert f'"content": "{r.json()["choices"][0]["message"]["content"].strip()}"' == curl.group(3)
+    snippet = re.search(r"```python\n(from openai import OpenAI\n.*?)```", readme, re.S).group(1)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(snippet.replace("http://127.0.0.1:8000", url), {})  # noqa: S102 - the README's code
+    prompt = re.search(r'"content": "([^"]+)"\}\]', snippet).group(1)
+    chats = {p: a for how, p, a in readme_demos() if how == "chat"}
+    assert out.getvalue().strip() == chats[prompt], (prompt, out.getvalue())
