@@ -92,6 +92,22 @@ def test_a_free_row_reads_nothing_and_the_others_are_unchanged():
     assert not got[2].any()
 
 
+def test_pages_the_table_does_not_map_are_never_read():
+    """A released row keeps a stale visible length while its table maps nothing (entry P): the
+    kernel masks those keys (zeros out, where an unguarded load would read past the pool)."""
+    k, v, table = pool(9, 2)
+    table = table.at[1].set(POOL_PAGES)
+    t = BLOCK
+    cached = np.array([24, 40], np.int32)
+    visible_len = jnp.asarray(cached + t)
+    q_pos = jnp.asarray(cached[:, None] + np.arange(t, dtype=np.int32)[None])
+    q = jnp.asarray(np.random.default_rng(10).standard_normal((2, t, 4, HEAD_DIM)), jnp.float32)
+    got = np.asarray(paged_attention(q, k, v, table, q_pos, visible_len, BLOCK, interpret=True))
+    want = np.asarray(reference(q, k, v, table, q_pos, visible_len))
+    np.testing.assert_allclose(got[0], want[0], atol=2e-5)
+    assert not got[1].any()
+
+
 def test_a_prefill_chunk_over_one_cache_row_equals_the_reference():
     """A 48-token prefill chunk of cache row 2 alone (`rows`), at position 32 of its prompt:
     three query tiles of a kernel instance each, block-causal inside the chunk."""

@@ -65,10 +65,14 @@ def _kernel(rows_ref, visible_ref, table_ref, pos_ref, q_ref, k_ref, v_ref, o_re
         m, l, acc = carry  # [TQ], [TQ], [TQ, Dh] float32
         # (lax.rem: jnp's % lowers to Triton with mismatched operand types)
         where, first = table_ref[row, i // per_page], jax.lax.rem(i, per_page) * keys
+        # a table entry past the pool maps nothing (a released row's stale length may reach
+        # one): its keys are masked, and the load stays inside the pool (Triton does not check)
+        held = where < k_ref.shape[0]
+        where = jnp.minimum(where, k_ref.shape[0] - 1)
         k = k_ref[where, pl.ds(first, keys), head, :].astype(q.dtype)  # [keys, Dh]
         v = v_ref[where, pl.ds(first, keys), head, :].astype(q.dtype)
         s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32)  # [TQ, keys]
-        mask = visible(pos, i * keys + jnp.arange(keys), vis, block_size)
+        mask = visible(pos, i * keys + jnp.arange(keys), vis, block_size) & held
         s = jnp.where(mask, s, MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)  # a query with nothing seen: 0
