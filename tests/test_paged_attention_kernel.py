@@ -131,12 +131,12 @@ def test_a_mutated_block_causal_rule_differs(monkeypatch):
     visible_len = jnp.asarray(cached + t)
     q = jnp.asarray(np.random.default_rng(8).standard_normal((2, t, 4, HEAD_DIM)), jnp.float32)
     want = reference(q, k, v, table, q_pos, visible_len)
-    rule = paged_attention_kernel.visible
+    rule = paged_attention_kernel.block_causal  # the kernel's own name for the shared rule
 
     def one_more(q_pos, k_pos, visible_len, block_size):
         return rule(q_pos, k_pos - 1, visible_len + 1, block_size)
 
-    monkeypatch.setattr(paged_attention_kernel, "visible", one_more)
+    monkeypatch.setattr(paged_attention_kernel, "block_causal", one_more)
     got = paged_attention(q, k, v, table, q_pos, visible_len, BLOCK, interpret=True)
     assert np.abs(np.asarray(got) - np.asarray(want)).max() > 1e-2
 

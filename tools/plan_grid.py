@@ -7,7 +7,7 @@
 Every configuration puts all its devices on the `expert` axis (8 per host: 16 devices are two
 hosts) and is compiled by the planner (mbd_jax/plan.py: deviceless XLA:GPU, memory read back,
 the decode step modelled, not measured). Beside each row, the HBM floor of reading the active
-weights once per step (the whole model's active parameters over the devices' summed bandwidth:
+weights once per step (the whole model's active parameters, in its param_dtype, over the devices' summed bandwidth:
 what no engine can beat at batch 1). Needs the gpu-compile extra (PYTHONPATH=.venv/gpu-compile
 after `make test`). A JSON line per configuration on stdout, the table on stderr.
 """
@@ -22,7 +22,10 @@ from mbd_jax import plan
 
 plan.jax_for_planning()  # before any backend starts: the devices are compile-only
 
+import numpy as np  # noqa: E402
+
 from mbd_jax.checkpoint import load_model  # noqa: E402
+from mbd_jax.config import ServerConfig  # noqa: E402
 from mbd_jax.engine import deviceless  # noqa: E402
 from mbd_jax.errors import UserError  # noqa: E402
 from mbd_jax.model import sizes  # noqa: E402
@@ -34,10 +37,10 @@ def row(model: str, target: str, devices: int, batch: int, n_buf: int, context: 
         ) -> dict:
     cfg = load_model(model, with_weights=False).cfg
     hosts, per_host = max(1, devices // PER_HOST), min(devices, PER_HOST)
-    shape = deviceless.EngineShape(batch, n_buf, 256)
+    shape = deviceless.EngineShape(batch, n_buf, ServerConfig.prefill_chunk)  # the service's
     out = {"model": model, "devices": devices, "batch": batch, "buffer_size": n_buf}
     facts = plan.target_facts(deviceless.target_text(target))
-    active_bytes = sizes.active_params_per_token(cfg) * 2  # bf16 weights
+    active_bytes = sizes.active_params_per_token(cfg) * np.dtype(cfg.param_dtype).itemsize
     out["floor_ms"] = active_bytes / (devices * facts.hbm_bytes_per_s) * 1e3
     try:
         report = plan.plan(cfg, target, hosts, per_host, f"expert={devices}", shape,

@@ -56,10 +56,10 @@ class Row:
     prefilling: bool = True  # its admission's prefill is not finished (not decoding yet)
     emitted: int = 0  # generated tokens handed out in events
     ending: str | None = None  # "cancel" (free it, no result) or "stop" (finish it as stopped)
+    prompt: np.ndarray = dataclasses.field(init=False)  # request.prompt as int32, made once
 
-    @property
-    def prompt(self) -> np.ndarray:
-        return np.asarray(self.request.prompt, np.int32)
+    def __post_init__(self) -> None:
+        self.prompt = np.asarray(self.request.prompt, np.int32)
 
 
 @dataclasses.dataclass

@@ -21,17 +21,22 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (y * weight.astype(jnp.float32)).astype(x.dtype)
 
 
+def block_causal(q_pos: jax.Array, k_pos: jax.Array, visible_len: jax.Array,
+                 block_size: int) -> jax.Array:
+    """The block-causal rule on absolute positions, elementwise (broadcast the operands as the
+    caller's layout needs; the Pallas kernel applies it to one row's tile): the query at p sees
+    the key at k iff k < (p // block + 1) * block and k < visible_len."""
+    return (k_pos < (q_pos // block_size + 1) * block_size) & (k_pos < visible_len)
+
+
 def block_causal_visible(q_pos: jax.Array, k_pos: jax.Array, visible_len: jax.Array,
                          block_size: int) -> jax.Array:
-    """The block-causal rule on absolute positions.
-
-    q_pos: [B, T]; k_pos: [S] or [B, S]; visible_len: [B]. Returns bool [B, T, S]: query at p sees
-    key at k iff k < (p // block + 1) * block and k < visible_len.
-    """
+    """q_pos: [B, T]; k_pos: [S] or [B, S]; visible_len: [B]. Returns bool [B, T, S]: the
+    block-causal rule (block_causal) for every query and key."""
     if k_pos.ndim == 1:
         k_pos = k_pos[None, :]
-    block_end = (q_pos // block_size + 1) * block_size  # [B, T]
-    return (k_pos[:, None, :] < block_end[:, :, None]) & (k_pos[:, None, :] < visible_len[:, None, None])
+    return block_causal(q_pos[:, :, None], k_pos[:, None, :], visible_len[:, None, None],
+                        block_size)
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:

@@ -27,18 +27,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # a masked score: finite, so m - m is 0
+from mbd_jax.model.layers import NEG_INF, block_causal
+
 MAX_QUERY_TILE = 64  # queries per kernel instance (a prefill chunk's are split into tiles)
 KEY_TILE = 64  # keys per loop step, when it divides the page (else the whole page)
 NUM_WARPS, NUM_STAGES = 4, 2  # Triton launch settings (untuned: no GPU has timed them yet)
-
-
-def visible(q_pos: jax.Array, k_pos: jax.Array, visible_len: jax.Array, block_size: int
-            ) -> jax.Array:
-    """The block-causal rule: [TQ, C] whether the query at q_pos [TQ] sees the key at k_pos [C]
-    (k before the end of the query's block, and below the row's visible length)."""
-    block_end = (q_pos // block_size + 1) * block_size
-    return (k_pos[None, :] < block_end[:, None]) & (k_pos[None, :] < visible_len)
 
 
 def check_shapes(page: int, head_dim: int) -> str | None:
@@ -72,8 +65,10 @@ def _kernel(rows_ref, visible_ref, table_ref, pos_ref, q_ref, k_ref, v_ref, o_re
         k = k_ref[where, pl.ds(first, keys), head, :].astype(q.dtype)  # [keys, Dh]
         v = v_ref[where, pl.ds(first, keys), head, :].astype(q.dtype)
         s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32)  # [TQ, keys]
-        mask = visible(pos, i * keys + jnp.arange(keys), vis, block_size) & held
-        s = jnp.where(mask, s, MASKED)
+        # [TQ, keys]: the block-causal rule, and nothing from an unmapped page
+        mask = block_causal(pos[:, None], i * keys + jnp.arange(keys)[None, :], vis,
+                            block_size) & held
+        s = jnp.where(mask, s, NEG_INF)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)  # a query with nothing seen: 0
         corr = jnp.exp(m - m_new)
@@ -81,7 +76,7 @@ def _kernel(rows_ref, visible_ref, table_ref, pos_ref, q_ref, k_ref, v_ref, o_re
         return m_new, l * corr + jnp.sum(p, axis=1), acc
 
     tq, dh = q.shape
-    init = (jnp.full((tq,), MASKED, jnp.float32), jnp.zeros((tq,), jnp.float32),
+    init = (jnp.full((tq,), NEG_INF, jnp.float32), jnp.zeros((tq,), jnp.float32),
             jnp.zeros((tq, dh), jnp.float32))
     _, l, acc = jax.lax.fori_loop(0, n_tiles, step, init)
     o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)

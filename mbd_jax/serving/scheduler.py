@@ -102,8 +102,8 @@ class Scheduler:
         return True
 
     def _warmup_progress(self, message: str) -> None:
-        """Logs a warm-up step; a stop asked for ends the warm-up here (between programs)."""
-        if self._stop:
+        """Logs a warm-up step; a stop or a drain ends the warm-up here (between programs)."""
+        if self._stop or self.draining:
             raise WarmupStopped
         log.info("warm-up: %s", message)
 
@@ -112,7 +112,7 @@ class Scheduler:
         try:
             t0 = time.monotonic()
             self.engine.warmup(progress=self._warmup_progress)
-            if self._stop:  # stopped during the last program: never ready
+            if self._stop or self.draining:  # stopped during the last program: never ready
                 raise WarmupStopped
             self.metrics.warmup.set(time.monotonic() - t0)
         except WarmupStopped:

@@ -191,6 +191,7 @@ async def _serve(svc: Service, sockets: list[socket.socket], tls: ssl.SSLContext
         await draining.wait()
         if not svc.scheduler.ready:  # nothing accepted yet: nothing to drain or announce
             log.info("stopping during warm-up")
+            svc.scheduler.draining = True  # no further warm-up program compiles
             stop_servers()
             return
         log.info("draining: %d requests in flight", svc.scheduler.in_flight())
