@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import sys
 import time
 
@@ -19,11 +20,14 @@ DEFAULT_MODEL = "tiny-mbd"  # trained on the task suite, shipped in models/
 
 
 def _default(field: str, owner: type | None = None) -> str:
-    """"default X" for a help text, read from the dataclass that owns the setting (DecodeConfig
-    unless told), so a default is written once."""
-    from mbd_jax.config import DecodeConfig
+    """"default X" for a help text, read from where the setting's default lives (a decoding
+    field: the service's request defaults, _decode_config; else `owner`), so it is written once."""
+    if owner is not None:
+        return f"default {getattr(owner, field)}"
+    from mbd_jax.config import load_serve_config
+    from mbd_jax.config.paths import DEFAULT_SERVE_CONFIG
 
-    return f"default {getattr(owner or DecodeConfig, field)}"
+    return f"default {load_serve_config(DEFAULT_SERVE_CONFIG).decode_defaults()[field]}"
 
 
 def _add_decode_flags(p: argparse.ArgumentParser, buffer_size_list: bool = False) -> None:
@@ -42,7 +46,8 @@ def _add_decode_flags(p: argparse.ArgumentParser, buffer_size_list: bool = False
                        help="comma-separated N_buf values to compare, e.g. 1,2,4")
         p.set_defaults(buffer_size=None)
     else:
-        g.add_argument("--buffer-size", type=int, help="N_buf, blocks decoded at once (1 = SingleBD)")
+        g.add_argument("--buffer-size", type=int, help="N_buf, blocks decoded at once (1 = "
+                       f"SingleBD; {_default('buffer_size')})")
     g.add_argument("--add-block-threshold", type=float, help=f"tau_add ({_default('add_block_threshold')})")
     g.add_argument("--block-activation", choices=typing.get_args(BlockActivation),
                    help="progress: the next block joins once the last is tau_add full, one per "
@@ -125,9 +130,11 @@ def _runtime(args: argparse.Namespace) -> dict:
 
 
 def _decode_config(args: argparse.Namespace):
-    """The decoding flags given, over the model directory's generation.yaml `decoding` section,
-    over DecodeConfig's defaults."""
-    from mbd_jax.config import decode_config, model_generation_settings
+    """The decoding flags given, over the service's request defaults for this model (the
+    shipped configs/serve.yaml as `mbd-jax serve` reads it: its decoding section over the model
+    directory's generation.yaml over DecodeConfig's defaults; ServeConfig.decode_defaults)."""
+    from mbd_jax.config import decode_config, load_serve_config
+    from mbd_jax.config.paths import DEFAULT_SERVE_CONFIG
 
     voting = None
     if args.vote:
@@ -147,8 +154,9 @@ def _decode_config(args: argparse.Namespace):
         top_p=args.top_p,
         seed=args.seed, max_new_tokens=args.max_new_tokens, max_nfe=args.max_nfe,
         ignore_eos=args.ignore_eos or None)
-    model_defaults = model_generation_settings(getattr(args, "model", None)).get("decoding", {})
-    return decode_config(**{**model_defaults, **{k: v for k, v in flags.items() if v is not None}})
+    service = load_serve_config(DEFAULT_SERVE_CONFIG, model=getattr(args, "model", None))
+    return decode_config(**{**service.decode_defaults(),
+                            **{k: v for k, v in flags.items() if v is not None}})
 
 
 def _progress(message: str) -> None:
@@ -322,9 +330,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     from mbd_jax.train.config import load_train_config, parse_overrides
     from mbd_jax.train.trainer import run_training
 
-    overrides = {**parse_overrides(args.set or []),
-                 **{k: v for k, v in (("steps", args.steps), ("checkpoint_dir", args.checkpoint_dir),
-                                      ("output", args.output)) if v is not None}}
+    # a path given on the command line is the working directory's (the config's own relative
+    # paths are the repository's: TrainConfig.path)
+    paths = {k: str(pathlib.Path(v).absolute()) for k, v in (
+        ("checkpoint_dir", args.checkpoint_dir), ("output", args.output)) if v is not None}
+    overrides = {**parse_overrides(args.set or []), **paths,
+                 **({"steps": args.steps} if args.steps is not None else {})}
     tcfg = load_train_config(args.config, **overrides)
     import jax
 
@@ -457,9 +468,11 @@ def _train_command(sub) -> None:
     t = sub.add_parser("train", help="train or post-train a model (block diffusion / MultiTF)")
     t.add_argument("--config", required=True, help="a training config, e.g. configs/train/tiny-bd.yaml")
     t.add_argument("--steps", type=int, help="override the config's steps")
-    t.add_argument("--checkpoint-dir", help="override the config's checkpoint_dir (resumes from it)")
-    t.add_argument("--output", help="the model directory to write (default: the config's output, "
-                                    "else runs/<name>-model)")
+    t.add_argument("--checkpoint-dir", help="override the config's checkpoint_dir (resumes from "
+                                            "it; relative to the working directory)")
+    t.add_argument("--output", help="the model directory to write, relative to the working "
+                                    "directory (default: the config's output, else "
+                                    "runs/<name>-model, relative to the repository)")
     t.add_argument("--set", action="append", metavar="FIELD=VALUE",
                    help="override one config field (repeatable; VALUE as YAML), e.g. --set g_max=3")
     t.add_argument("--force", action="store_true", help="allow replacing a shipped model (models/)")

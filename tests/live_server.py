@@ -64,9 +64,11 @@ OPTIMISED = {"XLA_FLAGS": ""}
 class Server:
     def __init__(self, tmp: pathlib.Path, keys: list[str], sections: dict | None = None,
                  args: tuple[str, ...] = (), env: dict | None = None, admin: bool = True,
-                 tls: tuple[pathlib.Path, pathlib.Path] | None = None, **server_overrides):
+                 tls: tuple[pathlib.Path, pathlib.Path] | None = None, warm: bool = True,
+                 **server_overrides):
         """tls: (cert, key) serves the data port over HTTPS; `verify` is then a client context
-        that trusts that certificate."""
+        that trusts that certificate. `warm`: return once every program is compiled (the
+        larger prefill buckets compile after /ready turns 200), not at /ready."""
         self.tmp = tmp
         self.port, self.admin_port = free_port(), free_port() if admin else 0
         cfg = {
@@ -97,7 +99,9 @@ class Server:
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, (tmp / "server.log").read_text()
             try:
-                if httpx.get(self.url + "/ready", timeout=2, verify=self.verify).status_code == 200:
+                r = httpx.get(self.url + "/ready", timeout=2, verify=self.verify)
+                if r.status_code == 200 and (not warm or r.json()["prefill_chunk_compiled"]
+                                             == r.json()["prefill_chunk"]):
                     return
             except httpx.TransportError:
                 pass

@@ -17,10 +17,12 @@ from mbd_jax.errors import ConfigError
 
 @pytest.fixture(scope="module")
 def versions(tmp_path_factory):
-    """models/tiny/{v1, v2, v10}: copies of the shipped tiny-mbd; v2 carries generation.yaml."""
+    """models/tiny/{v1, v2, v10}: copies of the shipped tiny-mbd; only v2 carries a
+    generation.yaml (its own)."""
     root = tmp_path_factory.mktemp("models") / "tiny"
     for v in ("v1", "v2", "v10"):
         shutil.copytree(SHIPPED_MODEL_DIR / "tiny-mbd", root / v)
+        (root / v / GENERATION_FILE).unlink()
     (root / "v2" / GENERATION_FILE).write_text(yaml.safe_dump({
         "generation": {"max_new_tokens": 32, "thinking_mode": True},
         "decoding": {"accept_threshold": 0.8, "buffer_size": 1, "temperature": 0.5}}))
@@ -65,6 +67,27 @@ def test_offline_commands_take_the_models_decoding_defaults_under_their_flags(ve
                               "--accept-threshold", "0.7"])
     decode = cli._decode_config(args)
     assert (decode.accept_threshold, decode.temperature) == (0.7, 0.5)
+
+
+def test_generate_starts_from_what_the_service_gives_a_request_for_the_same_model(versions):
+    """One set of defaults: `generate` without flags decodes with the settings `mbd-jax serve`
+    (the shipped configs/serve.yaml) gives a request that sets nothing, and that config leaves a
+    model's generation.yaml in force (v2's N_buf 1, tau_accept 0.8, 32 tokens, temperature
+    0.5), where the shipped tiny-mbd gets MultiBD N_buf 2 and its 64-token default."""
+    from mbd_jax.config import decode_config
+
+    parser = cli.build_parser()
+    got = {}
+    for name, model in (("v2", str(versions / "v2")), ("tiny-mbd", "tiny-mbd")):
+        service = cli.serve_config(parser.parse_args(["serve", "--model", model]))
+        got[name] = cli._decode_config(parser.parse_args(["generate", "--model", model,
+                                                          "--prompt", "x"]))
+        assert got[name] == decode_config(**service.decode_defaults())
+    v2, tiny = got["v2"], got["tiny-mbd"]
+    assert (v2.buffer_size, v2.accept_threshold, v2.max_new_tokens, v2.temperature) == (
+        1, 0.8, 32, 0.5)
+    assert (tiny.buffer_size, tiny.accept_threshold, tiny.max_new_tokens, tiny.temperature) == (
+        2, 0.95, 64, 0.0)
 
 
 @pytest.mark.parametrize("text,named", [

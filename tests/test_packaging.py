@@ -1,6 +1,7 @@
-"""A wheel built from the repo, installed in a fresh venv, runs `generate` on its default model
-from outside the checkout: the shipped configs and models travel as package data, and the wheel
-installs one top-level package, mbd_jax.
+"""A wheel built from the repo, installed in a fresh venv, runs `generate` on its default model,
+verifies a shipped model by name and trains from a shipped config, from outside the checkout:
+the shipped configs and models travel as package data, and the wheel installs one top-level
+package, mbd_jax.
 
 The fresh venv gets the wheel with --no-deps; its dependencies come from this test's own
 environment through a path file (downloading jax again is not what is being tested)."""
@@ -49,3 +50,15 @@ def test_a_wheel_in_a_fresh_venv_generates_on_its_default_model(tmp_path):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["tokens"] > 0 and isinstance(out["text"], str)
     assert not (tmp_path / "runs").exists() and not (tmp_path / "models").exists()
+    # the shipped names resolve from the wheel: a model to verify, a training config to run
+    mbd = lambda *args: subprocess.run([str(venv / "bin" / "mbd-jax"), *args], cwd=tmp_path,  # noqa: E731
+                                       env=env, capture_output=True, text=True, timeout=600)
+    r = mbd("verify", "tiny-mbd")
+    assert r.returncode == 0 and "tiny-mbd: verified" in r.stdout, r.stdout + r.stderr
+    r = mbd("train", "--config", "configs/train/tiny-mbd.yaml", "--steps", "1", "--set",
+            "batch_size=2", "--set", "seq_len=64", "--set", "length_buckets=[]", "--output", "out",
+            "--checkpoint-dir", "ckpt", "--no-progress")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.splitlines()[-1])["model_dir"] == str(tmp_path / "out")
+    assert '"step": 1' in r.stderr and (tmp_path / "ckpt").is_dir()
+    assert mbd("verify", "out").returncode == 0  # a model directory the wheel wrote and checks

@@ -695,3 +695,59 @@ def test_ctrl_c_during_warm_up_stops_at_once_and_is_never_ready(tmp_path):
     after = text[text.index("stopping during warm-up"):]
     assert "engine ready" not in text and "warm-up done" not in text, text
     assert after.count("warm-up: compiling") <= 1, after
+
+
+def test_ready_before_the_larger_prefill_buckets_and_no_compile_once_they_are_in(tmp_path):
+    """/ready turns 200 once the smallest prefill bucket and the decode loop are compiled and
+    says how far the rest has come; a long prompt sent at once is answered (on the buckets
+    compiled so far), the same answer as once every bucket is in, after which requests
+    compile nothing."""
+    s = Server(tmp_path, [KEY], warm=False, prefill_chunk=256)
+    try:
+        ready = httpx.get(s.url + "/ready", timeout=10).json()
+        assert ready["prefill_chunk"] == 256 and ready["prefill_chunk_compiled"] in (8, 16, 32, 64,
+                                                                                      128, 256)
+        h = {"Authorization": f"Bearer {KEY}"}
+        body = {"model": "tiny-test", "prompt": "7+5=12; " * 30, "max_tokens": 8}
+        first = httpx.post(s.url + "/v1/completions", headers=h, json=body, timeout=120)
+        assert first.status_code == 200, first.text
+        deadline = time.monotonic() + 240
+        while httpx.get(s.url + "/ready", timeout=10).json()["prefill_chunk_compiled"] < 256:
+            assert time.monotonic() < deadline, s.log_text()[-3000:]
+            time.sleep(0.2)
+        before = s.metrics()["mbd_compilations_total"]
+        again = httpx.post(s.url + "/v1/completions", headers=h, json=body, timeout=120)
+        assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+        assert s.metrics()["mbd_compilations_total"] == before
+        assert s.metrics()["mbd_prefill_chunk_ready_tokens"] == 256
+    finally:
+        s.stop()
+
+
+def test_ctrl_c_while_the_background_buckets_compile_exits_at_once(tmp_path):
+    """SIGINT after /ready while the larger prefill buckets still compile (no compile cache,
+    buckets up to 1024): the service drains and exits 0, and no further bucket is announced
+    after the drain began (one at most, announced as the signal came)."""
+    from tests.live_server import free_port
+
+    (tmp_path / "serve.yaml").write_text(
+        "model: tiny-test\nmonitoring:\n  log_level: info\ncache:\n  enabled: false\n"
+        "server:\n  prefill_chunk: 1024\n  drain_min_s: 0\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mbd_jax", "serve", "--config", str(tmp_path / "serve.yaml"),
+         "--port", str(free_port()), "--admin-port", "0", "--compile-cache", "off"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    lines = []
+    for line in proc.stdout:  # until ready (the background compiles have begun by then)
+        lines.append(line)
+        if "engine ready" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    lines += proc.stdout.readlines()
+    text = "".join(lines)
+    assert proc.wait(timeout=120) == 0, text
+    assert "engine ready" in text and "draining" in text, text
+    after = text[text.index("draining"):]
+    assert after.count("in the background (") <= 1, after
+    assert "prefill buckets compiled in the background" not in text, text

@@ -155,6 +155,20 @@ class ServeConfig:
         _check(self.decoding.max_nfe <= self.generation.max_nfe_limit, where,
                "decoding.max_nfe must be <= generation.max_nfe_limit")
 
+    def decode_defaults(self, thinking: bool = False) -> dict[str, Any]:
+        """A request's decoding settings before its own (DecodeConfig's fields): the decoding
+        section, generation.diffusion_steps as the fixed_steps policy, generation.max_new_tokens
+        (within the thinking budget for a thinking request). The service's requests and the
+        offline commands (`generate`, `eval`) start from these."""
+        gen = self.generation
+        base = dataclasses.asdict(self.decoding)
+        base["voting"] = self.decoding.voting and dataclasses.asdict(self.decoding.voting)
+        if gen.diffusion_steps:
+            base.update(policy="fixed_steps", steps_per_block=gen.diffusion_steps)
+        limit = gen.thinking_max_new_tokens if thinking else gen.max_new_tokens_limit
+        base["max_new_tokens"] = min(gen.max_new_tokens, limit)
+        return base
+
 
 # A model directory's generation settings, beside its weights: sections of ServeConfig, any subset
 # of their fields. Settings, not weights: outside manifest.json's checksums, so they can be tuned

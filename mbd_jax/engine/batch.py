@@ -85,6 +85,11 @@ class Batch:
         # pages (page_plan.pool_size).
         size = pool_size(cfg, batch_size, buffer_size, prefill_chunk, kv_pool_tokens)
         self.prefill_chunk, self.capacity = size.prefill_chunk, size.capacity
+        # The longest prefill bucket compiled so far: prompts are cut into chunks of at most
+        # this many tokens. A service ready before its larger buckets compile (warmup.py's
+        # `background`) raises it as they land; it only grows.
+        self.prefill_ready = self.prefill_chunk
+        self.background = None  # the warm-up's BackgroundBuckets, while they compile
         page, n_pages = size.page, size.pages
         self.pages = PagePool(n_pages, page, self.capacity // page)
         self.rows = RowTable(batch_size)  # one record per busy row: all the host knows of it
@@ -107,7 +112,7 @@ class Batch:
             prefix_store, cfg, self.kv.block_dtype,
             prefix_programs(cfg, self.mesh, batch_size, self.capacity, n_pages,
                             np.dtype(self.kv.block_dtype).name, offload_blocks_per_call),
-            self.runner.put, offload_blocks_per_call, self.prefill_chunk, self._bucket)
+            self.runner.put, offload_blocks_per_call, self._bucket)
         self.offloader = None if self.prefix is None else self.prefix.offloader
 
     @property
@@ -271,6 +276,12 @@ class Batch:
     def prefill_call(self, prompts: list[np.ndarray], full_len: np.ndarray, start: np.ndarray,
                       call: PrefillCall) -> None:
         """Writes the KV of prompt positions [start, start + T) of the call's rows."""
+        self.runner.prefill(self.prefill_inputs(prompts, full_len, start, call))
+
+    def prefill_inputs(self, prompts: list[np.ndarray], full_len: np.ndarray, start: np.ndarray,
+                       call: PrefillCall) -> list[np.ndarray]:
+        """The host inputs of a prefill call (Runner.prefill): tokens [R, T], start [R],
+        full_len [R], write [R] and, for one row alone, rows [1]."""
         if call.row is None:  # every cache row in order; the call's rows store
             rows, write = np.arange(self.batch_size), call.rows
         else:
@@ -283,14 +294,14 @@ class Batch:
         host = [tokens, start[rows].astype(np.int32), full_len[rows], write]
         if call.row is not None:  # the row table: input row 0 is this cache row
             host.append(rows.astype(np.int32))
-        self.runner.prefill(host)
+        return host
 
     def next_round(self, full_len: np.ndarray, start: np.ndarray, rows: np.ndarray
                     ) -> tuple[list[PrefillCall], np.ndarray]:
         return admission.next_round(full_len, start, rows, self._bucket, self.row_prefill_min)
 
     def _bucket(self, tokens: int) -> int:
-        return admission.bucket(tokens, self.cfg.block_size, self.prefill_chunk)
+        return admission.bucket(tokens, self.cfg.block_size, self.prefill_ready)
 
     def initial_state(self, prompts: list[np.ndarray], decodes: list[DecodeConfig],
                       done: np.ndarray | None = None) -> DecodeState:
@@ -435,10 +446,13 @@ class Batch:
         if self.offloader is not None:
             self.offloader.flush()
 
-    def close(self) -> None:
-        """Persists what is staged and stops the prefix store's threads (the engine's end)."""
+    def close(self, compile_wait_s: float = 30.0) -> bool:
+        """Persists what is staged and stops the prefix store's threads and the background
+        compiles (the engine's end), waiting up to `compile_wait_s` for a compile running now:
+        False if it still runs."""
         if self.offloader is not None:
             self.offloader.close()
+        return self.background is None or self.background.stop(compile_wait_s)
 
     def went_idle(self) -> None:
         """No decode call follows for now: blocks staged for the prefix store go there now."""

@@ -41,9 +41,10 @@ class Engine(Batch):
         self._admission: Admission | None = None  # the admission in progress
 
     def warmup(self, progress: Callable[[str], None] | None = None,
-               buckets: Sequence[int] | None = None) -> None:
-        """Compiles every program this engine can run (warmup.py)."""
-        warmup.warmup(self, progress, buckets)
+               buckets: Sequence[int] | None = None, background: bool = False) -> None:
+        """Compiles every program this engine can run, the larger prefill buckets on a thread
+        with `background` (warmup.py)."""
+        warmup.warmup(self, progress, buckets, background)
 
     def prefill_buckets_for(self, prompts: Sequence[Sequence[int]]) -> list[int]:
         """The prefill lengths `generate(prompts)` compiles (warmup.py)."""

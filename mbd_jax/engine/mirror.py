@@ -38,7 +38,7 @@ MIRRORED: dict[str, str | None] = {
 # What the leader reads from its own engine alone (host-side checks, lookups and statistics)
 READS = frozenset({
     "cfg", "tokenizer", "batch_size", "buffer_size", "mesh", "prefix_cache", "check_prompt",
-    "check_decode", "check_fits", "prefetch", "stats",
+    "check_decode", "check_fits", "prefetch", "stats", "prefill_chunk", "prefill_ready",
 })
 
 
@@ -104,13 +104,13 @@ class EngineLeader:
                     multihost.share(("noop",))
                     self._last = time.monotonic()
 
-    def close(self) -> None:
-        """Tells the followers to exit, then closes this process's engine."""
+    def close(self, compile_wait_s: float = 30.0) -> bool:
+        """Tells the followers to exit, then closes this process's engine (Engine.close)."""
         with self._lock:
             if not self._closed:
                 self._closed = True
                 multihost.share(("stop",))
-        self.engine.close()
+        return self.engine.close(compile_wait_s)
 
 
 def follow(engine) -> None:

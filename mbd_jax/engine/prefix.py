@@ -33,11 +33,10 @@ class PrefixHit:
 
 class PrefixGlue:
     def __init__(self, store: PrefixStore, cfg: ModelConfig, dtype: Any, progs: PrefixPrograms, put: Callable[[np.ndarray], jax.Array],
-                 blocks_per_call: int, prefill_chunk: int,
-                 bucket_of: Callable[[int], int]):
+                 blocks_per_call: int, bucket_of: Callable[[int], int]):
         """`dtype`: the cache's block entries'; `progs`: the jitted loads and
         gathers (programs.py); `put`: a host array onto the mesh; `bucket_of`: the prefill
-        bucket of a token count."""
+        bucket of a token count (at most the longest one compiled so far)."""
         if store.block_size != cfg.block_size:
             raise UserError(f"prefix store block size {store.block_size} != the model's "
                             f"{cfg.block_size}")
@@ -45,7 +44,7 @@ class PrefixGlue:
             raise UserError("the prefix cache runs on one process; disable cache.enabled for "
                             "a multi-process launch")
         self.store, self.cfg = store, cfg
-        self._put, self._bucket_of, self._prefill_chunk = put, bucket_of, prefill_chunk
+        self._put, self._bucket_of = put, bucket_of
         self.dtype = dtype
         store.expect(ModelCache.block_shape(cfg, cfg.block_size), self.dtype)  # one block's
         self._load, self._load_snapshot = progs.load, progs.load_snapshot
@@ -83,7 +82,8 @@ class PrefixGlue:
         else:
             entries = self.store.lookup(prompt, max_blocks=last, first=first, count=False,
                                         known=keys)
-        per_chunk = self._prefill_chunk // blk
+        # blocks per load: the whole prompt's bucket, or the longest bucket compiled so far
+        per_chunk = self._bucket_of(len(prompt)) // blk
         chunks = []
         for start in range(0, len(entries), per_chunk):
             part = entries[start: start + per_chunk]
@@ -119,3 +119,9 @@ class PrefixGlue:
             snapshot = np.zeros(ModelCache.snapshot_shape(self.cfg), np.float32)
             kv = self._load_snapshot(kv, self._put(snapshot), np.int32(0))
         return kv
+
+    def compile_load(self, compile: Callable[..., None], kv: Any, tokens: int) -> None:
+        """Compiles (Runner.compile) loading `tokens` cached positions into a row of a cache
+        shaped like `kv`, without running it (a background warm-up's bucket)."""
+        entries = np.zeros(ModelCache.block_shape(self.cfg, tokens), self.dtype)  # never touched
+        compile(self._load, kv, entries, np.int32(0), np.int32(0))

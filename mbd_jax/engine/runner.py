@@ -32,7 +32,7 @@ class Runner:
         """A cache of `capacity` positions per row in `n_pages` pages for `batch_size` rows, and a
         compiled N_buf of `buffer_size`. `split_experts`: see Engine."""
         self.cfg, self.mesh, self.batch_size = cfg, mesh, batch_size
-        replicated = meshlib.replicated(mesh)
+        self.replicated = replicated = meshlib.replicated(mesh)
         self.put = functools.partial(jax.device_put, device=replicated)  # host input -> mesh
         self.put_rows = RowPacker(self.put)  # a batch-first host tree -> mesh, one transfer
         self.fetch_rows = RowFetcher(replicated)  # a batch-first device tree -> host, one transfer
@@ -54,6 +54,7 @@ class Runner:
         self._row_ids = [self.put(np.array([i], np.int32)) for i in range(batch_size)]
         self._table: np.ndarray | None = None  # a page table not yet sent to the device
         self._kv = self._allocate_kv()
+        self.kv_shape = jax.tree.map(_abstract, self._kv)  # the cache's shapes and shardings
 
     def _programs(self, moe_impl: str):
         """This engine's programs with the expert path `moe_impl` (shared per process)."""
@@ -118,6 +119,22 @@ class Runner:
         alone, rows [1]) written into the cache (loop.prefill)."""
         self.kv = self._prefill(self.params, self.kv, *self.put(host_inputs))  # one transfer
 
+    def compile(self, program: Any, *args: Any) -> None:
+        """Compiles `program` (one of this engine's jitted programs) for arguments like `args`
+        without running it, from any thread: its first call then finds it compiled (JAX's
+        in-memory cache). A host array stands for what `put` makes of it (replicated), a device
+        array or a ShapeDtypeStruct for itself, a NumPy scalar is passed as it is."""
+        def like(x: Any) -> Any:
+            if isinstance(x, np.ndarray):
+                return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated)
+            return jax.tree.map(_abstract, x) if not isinstance(x, np.generic) else x
+
+        program.lower(*map(like, args)).compile()
+
+    def compile_prefill(self, host_inputs: list[np.ndarray]) -> None:
+        """Compiles the prefill call of these host inputs (prefill) without running it."""
+        self.compile(self._prefill, self.params, self.kv_shape, *host_inputs)
+
     def decode(self, state: DecodeState, max_steps: int, row: int | None = None
                ) -> tuple[DecodeState, int]:
         """One call of the jitted decode loop over every row, or over cache row `row` alone (its
@@ -134,3 +151,10 @@ class Runner:
     def merge(self, state: DecodeState, fresh: DecodeState, rows: np.ndarray) -> DecodeState:
         """`state` with the rows `rows` selects ([B] bool) replaced by `fresh`'s."""
         return self._merge(state, fresh, self.put(rows))
+
+
+def _abstract(x: Any) -> Any:
+    """A device array's shape, dtype and sharding (a ShapeDtypeStruct stays as it is)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)

@@ -1,10 +1,16 @@
 """An engine's warm-up: every program it can run compiled before the first request (nothing
 compiles in steady state), the expert path of each decode program measured where the config
-asks, and the prefill buckets a known set of prompts runs (what a one-shot command needs warm)."""
+asks, and the prefill buckets a known set of prompts runs (what a one-shot command needs warm).
+
+A service can be ready sooner: prefill is chunked, so the smallest bucket serves any prompt (in
+more calls). With `background`, the warm-up compiles that one, and a thread of its own
+(BackgroundBuckets) compiles the larger ones without running them while requests are served,
+raising the engine's `prefill_ready` as each lands: no request ever waits on a compile."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -28,18 +34,25 @@ def warm_call(engine, t: int, rows: np.ndarray) -> PrefillCall:
 
 
 def warmup(engine, progress: Callable[[str], None] | None = None,
-           buckets: Sequence[int] | None = None) -> None:
+           buckets: Sequence[int] | None = None, background: bool = False) -> None:
     """Compiles every program `engine` can run (all prefill buckets, or only `buckets`, the
     prefix cache's loads and gathers, the decode loop over all rows and over one through the
     engine's own step, the row merge, the host views); `progress` hears about each step
-    (default: an INFO line of the `mbd_jax.engine` logger per step)."""
+    (default: an INFO line of the `mbd_jax.engine` logger per step) and may raise to stop.
+    `background` (all buckets, one process): the buckets past the smallest compile on a thread
+    after this returns (BackgroundBuckets, `engine.background`)."""
     say = progress or (lambda message: log.info("warm-up: %s", message))
     t_start = time.perf_counter()
     b, cfg = engine.batch_size, engine.cfg
     zeros_b, pads = np.zeros(b, np.int32), engine.blank_rows()[0]
     if cfg.moe_impl == "measure" and cfg.num_experts > 0:
         choose_expert_paths(engine, say)  # before the prefill buckets: they follow its choice
-    buckets = prefill_buckets(cfg.block_size, engine.prefill_chunk) if buckets is None else buckets
+    later: list[int] = []
+    if buckets is None:
+        buckets = prefill_buckets(cfg.block_size, engine.prefill_chunk)
+        if background and jax.process_count() == 1:  # several: every process compiles in step
+            buckets, later = buckets[:1], buckets[1:]
+            engine.prefill_ready = buckets[-1]
     for i, t in enumerate(buckets):
         say(f"compiling prefill of {t} tokens ({i + 1}/{len(buckets)})")
         engine.prefill_call(pads, zeros_b, zeros_b, warm_call(engine, t, np.zeros(b, bool)))
@@ -47,14 +60,15 @@ def warmup(engine, progress: Callable[[str], None] | None = None,
             engine.kv = engine.prefix.warm_load(engine.kv, t)
     if engine.offloader is not None:
         engine.offloader.warmup(engine.kv)
-        # what a prefill token costs, for the "time saved" metric: the largest bucket, all rows
+        # what a prefill token costs, for the "time saved" metric: the largest bucket compiled
+        # now, all rows
         t0 = time.perf_counter()
-        call = warm_call(engine, engine.prefill_chunk, np.ones(b, bool))
+        call = warm_call(engine, engine.prefill_ready, np.ones(b, bool))
         engine.prefill_call(pads, zeros_b, zeros_b, call)
         jax.block_until_ready(engine.kv)
         rows = 1 if call.row is not None else b
         seconds = time.perf_counter() - t0
-        engine.prefill_seconds_per_token = seconds / (rows * engine.prefill_chunk)
+        engine.prefill_seconds_per_token = seconds / (rows * engine.prefill_ready)
     say(f"compiling the decode loop ({b} rows, N_buf {engine.buffer_size})")
     pad = np.array([cfg.pad_token_id], np.int32)
     for rows in sorted({1, min(2, b)}):  # one running row alone, and all rows
@@ -67,7 +81,56 @@ def warmup(engine, progress: Callable[[str], None] | None = None,
     for tree in (host_tree(state, True), host_tree(state, False), state):
         engine.runner.fetch_rows(tree)
     jax.block_until_ready(engine.kv)
-    say(f"warm-up done in {time.perf_counter() - t_start:.1f} s")
+    say(f"warm-up done in {time.perf_counter() - t_start:.1f} s"
+        + (f" (prefill buckets {', '.join(map(str, later))} to follow)" if later else ""))
+    if later:
+        engine.background = BackgroundBuckets(engine, later, say)
+
+
+class BackgroundBuckets:
+    """Compiles prefill buckets on a thread of its own, in increasing order, while the engine
+    serves with the ones it has: a bucket's prefill programs (and the prefix cache's load of
+    that many positions) compile without running (Runner.compile), then `engine.prefill_ready`
+    grows to it. `say` hears about each bucket; if it raises (a service stopping), or a compile
+    fails (logged), the engine keeps the buckets it has."""
+
+    def __init__(self, engine, buckets: list[int], say: Callable[[str], None]):
+        self.done = threading.Event()  # every bucket compiled
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(engine, buckets, say),
+                                        name="mbd-prefill-buckets", daemon=True)
+        self._thread.start()
+
+    def _run(self, engine, buckets: list[int], say: Callable[[str], None]) -> None:
+        t0, b = time.perf_counter(), engine.batch_size
+        zeros_b, pads = np.zeros(b, np.int32), engine.blank_rows()[0]
+        for i, t in enumerate(buckets):
+            try:
+                say(f"compiling prefill of {t} tokens in the background ({i + 1}/{len(buckets)})")
+            except Exception:  # noqa: BLE001 - the caller asks to stop
+                return
+            if self._stop.is_set():
+                return
+            try:
+                call = warm_call(engine, t, np.zeros(b, bool))
+                engine.runner.compile_prefill(engine.prefill_inputs(pads, zeros_b, zeros_b, call))
+                if engine.prefix is not None:
+                    engine.prefix.compile_load(engine.runner.compile, engine.runner.kv_shape, t)
+            except Exception:  # noqa: BLE001 - serve on with the buckets compiled so far
+                log.exception("compiling the prefill of %d tokens failed: prompts are prefilled "
+                              "in chunks of at most %d tokens", t, engine.prefill_ready)
+                return
+            engine.prefill_ready = t
+        self.done.set()
+        log.info("prefill buckets compiled in the background in %.1f s",
+                 time.perf_counter() - t0)
+
+    def stop(self, timeout: float) -> bool:
+        """Compiles no further bucket; waits up to `timeout` seconds for the one compiling now.
+        False if it still runs."""
+        self._stop.set()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
 
 def check(out: StepOutcome) -> StepOutcome:

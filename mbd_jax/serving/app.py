@@ -212,12 +212,8 @@ class Service:
         the field that set the token budget (None: the server default). Choice j of a seeded request uses seed + j;
         an unseeded request gets fresh randomness per choice."""
         gen = self.cfg.generation
-        base = dataclasses.asdict(self.cfg.decoding)
-        base["voting"] = self.cfg.decoding.voting and dataclasses.asdict(self.cfg.decoding.voting)
-        if gen.diffusion_steps:
-            base.update(policy="fixed_steps", steps_per_block=gen.diffusion_steps)
+        base = self.cfg.decode_defaults(thinking)
         limit = gen.thinking_max_new_tokens if thinking else gen.max_new_tokens_limit
-        base["max_new_tokens"] = min(gen.max_new_tokens, limit)
         overrides = dict(req.decoding or {})
         budget = getattr(req, max_field)
         if max_field == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:

@@ -108,6 +108,10 @@ class Metrics:
                     memory.labels(device=str(dev.id), kind=kind).set_function(
                         lambda dev=dev, key=key: (_memory_stats(dev) or {}).get(key, 0))
         if engine is not None:
+            Gauge("mbd_prefill_chunk_ready_tokens", "The longest prefill chunk compiled: it grows "
+                  "to server.prefill_chunk as the background warm-up compiles the larger "
+                  "buckets after the service turned ready", registry=r).set_function(
+                lambda: engine.prefill_ready)
             self._read.add("mbd_kv_pool_prefix_tokens", "Prompt tokens mapped from prefix pages "
                            "another request left in the KV pool (neither prefilled nor loaded)",
                            lambda: engine.stats().pool_hit_tokens)

@@ -284,7 +284,9 @@ class Routes:
         if self.svc.scheduler.error is not None or not self.svc.scheduler.ready:
             raise HTTPError(503, "engine failed" if self.svc.scheduler.error else "starting",
                             kind="unavailable")
-        return JSONResponse({"status": "ready"})
+        engine = self.svc.scheduler.engine  # the larger buckets may still be compiling
+        return JSONResponse({"status": "ready", "prefill_chunk": engine.prefill_chunk,
+                             "prefill_chunk_compiled": engine.prefill_ready})
 
     async def metrics(self, request):
         if not self.svc.cfg.monitoring.enabled:

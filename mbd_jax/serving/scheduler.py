@@ -88,18 +88,17 @@ class Scheduler:
 
     def stop(self) -> bool:
         """Stops the engine thread and closes the engine (staged prefix-cache blocks persist).
-        One process still warming up (nothing accepted, nothing staged) waits WARMUP_STOP_S at
-        most for the program being compiled: False if it still runs (the caller exits anyway)."""
+        One process waits WARMUP_STOP_S at most for a program being compiled (warm-up or
+        background buckets): False if one still runs (the caller exits anyway)."""
         with self._lock:
             self._stop = True
             self._lock.notify()
-        quick = not self.ready and jax.process_count() == 1  # several: mirrored warm-up calls
-        self._thread.join(timeout=WARMUP_STOP_S if quick else 30)
-        if quick and self._thread.is_alive():
+        quick = jax.process_count() == 1  # several: mirrored warm-up calls
+        self._thread.join(timeout=WARMUP_STOP_S if quick and not self.ready else 30)
+        if self._thread.is_alive() and not self.ready:
             return False
         self._voting.shutdown(wait=True, cancel_futures=False)
-        self.engine.close()  # persist what is staged for the prefix cache before exiting
-        return True
+        return self.engine.close(WARMUP_STOP_S)  # persists what is staged for the prefix cache
 
     def _warmup_progress(self, message: str) -> None:
         """Logs a warm-up step; a stop or a drain ends the warm-up here (between programs)."""
@@ -111,7 +110,7 @@ class Scheduler:
     def _run(self) -> None:
         try:
             t0 = time.monotonic()
-            self.engine.warmup(progress=self._warmup_progress)
+            self.engine.warmup(progress=self._warmup_progress, background=True)
             if self._stop or self.draining:  # stopped during the last program: never ready
                 raise WarmupStopped
             self.metrics.warmup.set(time.monotonic() - t0)

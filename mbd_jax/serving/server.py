@@ -258,8 +258,10 @@ def serve(cfg: ServeConfig, api_keys: list[str], mesh: jax.sharding.Mesh | None 
         code = asyncio.run(_serve(svc, sockets, tls))
     finally:
         stopped = svc.scheduler.stop()  # closes the engine (and tells the followers to exit)
-    if not stopped:  # a stop during warm-up: the compile running now is abandoned, not awaited
-        log.info("stopped during warm-up")
+    code = EXIT_ENGINE_FAILED if svc.scheduler.error is not None else code
+    if not stopped:  # the compile running now (warm-up or background) is abandoned, not awaited
+        log.info("stopped during warm-up" if not svc.scheduler.ready else
+                 "stopped while compiling a prefill bucket in the background")
         logging.shutdown()
-        os._exit(EXIT_OK)
-    return EXIT_ENGINE_FAILED if svc.scheduler.error is not None else code
+        os._exit(code)
+    return code
