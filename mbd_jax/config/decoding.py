@@ -32,7 +32,7 @@ class VotingConfig:
         # exp(alpha * t / T) stays far inside float64 for alpha <= 100
         _check_range(self, where, "alpha", 0.0, 100.0)
         if self.extractor == "regex":
-            _check(bool(self.pattern), where, "extractor 'regex' needs field 'pattern'")
+            _check(bool(self.pattern), where, "field 'pattern' is required with extractor 'regex'")
             try:
                 user_regex.compile_pattern(self.pattern)
             except ValueError as e:
@@ -71,27 +71,34 @@ class DecodeConfig:
     voting: VotingConfig | None = None
 
     def validate(self, where: str = "decoding") -> None:
-        # Integer fields become int32 device values; their bounds leave room for the sums the
-        # loop computes (block_size + max_post_edit_steps, prompt_len + max_new_tokens).
-        _check_range(self, where, "buffer_size", 1, 1024)
-        _check_range(self, where, "steps_per_block", 1, 1 << 16)
-        _check_range(self, where, "max_post_edit_steps", 0, 1 << 16)
-        _check_range(self, where, "max_new_tokens", 1, 1 << 30)
-        _check_range(self, where, "max_nfe", 1, 1 << 30)
-        _check_range(self, where, "add_block_threshold", 0.0, 1e6)
-        _check_range(self, where, "factor", 1e-6, 1e6)
-        _check_range(self, where, "temperature", 0.0, 100.0)
-        _check_range(self, where, "top_k", 0, 1 << 30)
-        for f in ("accept_threshold", "semi_complete_threshold", "token_stability_threshold"):
-            v = getattr(self, f)
-            _check(0.0 <= v <= 1.0, where, f"field '{f}' must be in [0, 1], got {v}")
-        _check(0.0 <= self.edit_threshold <= 1.0, where,
-               f"field 'edit_threshold' must be in [0, 1], got {self.edit_threshold}")
+        for field, (lo, hi) in RANGES.items():
+            _check_range(self, where, field, lo, hi)
         _check(0.0 < self.top_p <= 1.0, where, f"field 'top_p' must be in (0, 1], got {self.top_p}")
-        _check(0 <= self.seed < 2**31, where, f"field 'seed' must be in [0, 2^31), got {self.seed}")
 
     def tokens_per_step(self, block_size: int) -> int:
         return max(1, -(-block_size // self.steps_per_block))
+
+
+# Each numeric field's allowed [low, high] (top_p, in (0, 1], is checked apart): what validate()
+# checks and /openapi.json publishes. Integer fields become int32 device values; their bounds
+# leave room for the sums the loop computes (block_size + max_post_edit_steps, prompt_len +
+# max_new_tokens).
+RANGES: dict[str, tuple[float, float]] = {
+    "buffer_size": (1, 1024),
+    "steps_per_block": (1, 1 << 16),
+    "max_post_edit_steps": (0, 1 << 16),
+    "max_new_tokens": (1, 1 << 30),
+    "max_nfe": (1, 1 << 30),
+    "add_block_threshold": (0, 1e6),
+    "factor": (1e-6, 1e6),
+    "temperature": (0, 100),
+    "top_k": (0, 1 << 30),
+    "accept_threshold": (0, 1),
+    "semi_complete_threshold": (0, 1),
+    "token_stability_threshold": (0, 1),
+    "edit_threshold": (0, 1),
+    "seed": (0, 2**31 - 1),
+}
 
 
 def decode_config(**overrides: Any) -> DecodeConfig:

@@ -135,9 +135,13 @@ class Batch:
     def check_prompt(self, ids: Sequence[int], where: str = "prompt") -> None:
         checks.check_prompt(self.cfg, ids, where)
 
+    @property
+    def can_vote(self) -> bool:
+        """Whether requests may ask for voting: the engine records trajectories, has a tokenizer."""
+        return self.record != (0, 0) and self.tokenizer is not None
+
     def check_decode(self, d: DecodeConfig, where: str = "decoding") -> None:
-        checks.check_decode(d, self.buffer_size, self.record != (0, 0) and self.tokenizer is not None,
-                            where)
+        checks.check_decode(d, self.buffer_size, self.can_vote, where)
 
     def check_fits(self, prompt: Sequence[int], d: DecodeConfig, where: str = "decoding") -> None:
         self.plan.check_fits(prompt, d, where)

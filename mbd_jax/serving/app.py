@@ -23,7 +23,7 @@ from typing import Any
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 
-from mbd_jax import chat
+from mbd_jax import __version__, chat
 from mbd_jax.config import DecodeConfig, ServeConfig, from_dict
 from mbd_jax.errors import UserError
 from mbd_jax.stop_strings import StopStrings
@@ -36,7 +36,6 @@ from mbd_jax.serving.scheduler import Scheduler
 log = logging.getLogger("mbd_jax.serving")
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # what an X-Request-Id may echo back
-OPENAPI = protocol.openapi("mbd-jax", "0.1.0")
 
 
 def _shown(text: str, limit: int = 64) -> str:
@@ -107,12 +106,19 @@ class Service:
     rate: TokenBucket | None = None
     auth_failures: TokenBucket | None = None  # wrong keys per client address
     profiling: bool = False
+    openapi: dict = dataclasses.field(init=False)  # /openapi.json, with this server's limits
 
     def __post_init__(self):
         s = self.cfg.server
         if s.rate_limit_per_s > 0:
             self.rate = TokenBucket(s.rate_limit_per_s, s.rate_limit_burst)
         self.auth_failures = TokenBucket(s.auth_failures_per_min / 60, s.auth_failures_per_min)
+        model = self.scheduler.engine.cfg
+        self.openapi = protocol.openapi("mbd-jax", __version__, protocol.Limits(
+            model=self.model_name, max_new_tokens=self.cfg.generation.max_new_tokens_limit, prompts=s.max_segments,
+            vocab_size=model.vocab_size, mask_token_id=model.mask_token_id,
+            context=model.max_seq_len, buffer_size=s.buffer_size,
+            max_nfe=self.cfg.generation.max_nfe_limit, can_vote=self.scheduler.engine.can_vote))
 
     # ------------------------------------------------------------ request checks
     def authorize(self, request: HTTPRequest) -> str:
@@ -244,9 +250,10 @@ class Service:
         try:
             d = from_dict(DecodeConfig, base, where="decoding")
             self.scheduler.engine.check_decode(d)
-        except UserError as e:
-            field = getattr(e, "field", None)
-            raise HTTPError(400, str(e), param=f"decoding.{field}" if field else "decoding") from None
+        except UserError as e:  # "decoding.voting: field 'pattern' ..." -> decoding.voting.pattern
+            field, where = getattr(e, "field", None), str(e).split(": ", 1)[0]
+            where = where if where.startswith("decoding") and " " not in where else "decoding"
+            raise HTTPError(400, str(e), param=f"{where}.{field}" if field else where) from None
         seeds = ([(d.seed + j) % 2**31 for j in range(count)] if seeded
                  else [secrets.randbelow(2**31) for _ in range(count)])
         return [dataclasses.replace(d, seed=s) for s in seeds], max_field if budget is not None else None

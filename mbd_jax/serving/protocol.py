@@ -16,18 +16,44 @@ Validation is strict (no "5" for 5, no true for 1). `error_of` turns pydantic's 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any, Literal
 
 import pydantic
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
+
+from mbd_jax.config import DecodeConfig
+from mbd_jax.config.decoding import RANGES
 
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string
 MAX_N = 16  # choices per prompt
 
 
+def _integral(v: Any) -> Any:
+    """37.0 as 37: JSON Schema's integer counts an integer-valued number as one (a client's JSON
+    encoder may write it so); 37.5 and true stay what they are, for the int check to refuse."""
+    return int(v) if isinstance(v, float) and v.is_integer() and abs(v) < 2**63 else v
+
+
+INTEGER_FIELDS = ("max_tokens", "max_completion_tokens", "max_new_tokens", "top_k", "seed", "n")
+DECODING_INTEGERS = frozenset(f.name for f in dataclasses.fields(DecodeConfig) if f.type == "int")
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @pydantic.field_validator(*INTEGER_FIELDS, mode="before", check_fields=False)
+    @classmethod
+    def _integer_valued(cls, v: Any) -> Any:
+        return _integral(v)
+
+    @pydantic.field_validator("decoding", mode="before", check_fields=False)
+    @classmethod
+    def _decoding_integers(cls, v: Any) -> Any:
+        if not isinstance(v, dict):
+            return v
+        return {k: _integral(x) if k in DECODING_INTEGERS else x for k, x in v.items()}
 
 
 def _one_of(check, schema: dict):
@@ -41,6 +67,7 @@ def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+
 def _check_prompt(v: Any) -> str | list[str] | list[list[int]]:
     what = "must be a string, a list of strings, a list of token ids, or a list of token-id lists"
     if isinstance(v, str):
@@ -49,6 +76,7 @@ def _check_prompt(v: Any) -> str | list[str] | list[list[int]]:
         raise ValueError(what + (" (not empty)" if isinstance(v, list) else ""))
     if all(isinstance(p, str) for p in v):
         return v
+    v = [[_integral(t) for t in p] if isinstance(p, list) else _integral(p) for p in v]
     if all(is_int(t) for t in v):
         return [v]
     if all(isinstance(p, list) and p and all(is_int(t) for t in p) for p in v):
@@ -127,7 +155,7 @@ def _check_completion_logprobs(v: Any) -> int | None:
                      "to the chosen tokens are not recorded")
 
 
-CompletionLogprobs = _one_of(_check_completion_logprobs, {"enum": [0, None]})
+CompletionLogprobs = _one_of(_check_completion_logprobs, {"enum": [0, False, None]})
 NoEcho = _unsupported(False, None, what="false")
 NoBestOf = _unsupported(1, None, what="1")
 NoSuffix = _unsupported(None, "", what="null")
@@ -277,8 +305,77 @@ class RequestError(ValueError):
         self.message, self.param = message, param
 
 
-def openapi(title: str, version: str) -> dict:
-    """The OpenAPI 3.1 document of the generation routes."""
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What this server accepts beyond the request models' own bounds, for /openapi.json."""
+
+    model: str  # the served model's name
+    max_new_tokens: int  # generation.max_new_tokens_limit
+    prompts: int  # server.max_segments: prompts x n, or segments, per request
+    vocab_size: int  # token ids in [0, vocab_size) ...
+    mask_token_id: int  # ... except this one
+    context: int  # a token-id prompt is shorter than the model's context
+    buffer_size: int  # server.buffer_size: the largest decoding.buffer_size
+    max_nfe: int  # generation.max_nfe_limit
+    can_vote: bool  # decoding.voting is served (the engine records trajectories)
+
+
+def decoding_schema(limits: Limits) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the `decoding` object's schema, the definitions it refers to): DecodeConfig's fields
+    with their types, choices and RANGES, capped by this server's limits; no defaults (they are
+    the server's and the model's: ServeConfig.decode_defaults)."""
+    schema = pydantic.TypeAdapter(DecodeConfig).json_schema(
+        ref_template="#/components/schemas/{model}")
+    defs = schema.pop("$defs", {})
+    caps = {"buffer_size": limits.buffer_size, "max_nfe": limits.max_nfe,
+            "max_new_tokens": limits.max_new_tokens}
+    props = schema["properties"]
+    for name, prop in [*props.items(), *defs["VotingConfig"]["properties"].items()]:
+        prop.pop("default", None)
+    for name, (lo, hi) in RANGES.items():
+        props[name].update(minimum=lo, maximum=min(hi, caps.get(name, hi)))
+    props["top_p"].update(exclusiveMinimum=0, maximum=1)
+    defs["VotingConfig"]["properties"]["alpha"].update(minimum=0, maximum=100)
+    if not limits.can_vote:
+        del props["voting"]
+    for obj in (schema, defs["VotingConfig"]):
+        obj["additionalProperties"] = False
+    return schema, defs
+
+
+def _with_limits(schemas: dict[str, Any], limits: Limits) -> None:
+    """Writes `limits` into the published request schemas (in place)."""
+    def integer_branch(prop: dict) -> dict:
+        return next(s for s in prop.get("anyOf", [prop]) if s.get("type") == "integer")
+
+    token = {"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1,
+             "not": {"const": limits.mask_token_id}}
+    ids = {"type": "array", "items": token, "minItems": 1, "maxItems": limits.context - 1}
+    decoding, defs = decoding_schema(limits)
+    schemas.update(defs, DecodeConfig=decoding)
+    for name in ("CompletionRequest", "ChatCompletionRequest", "GenerateRequest"):
+        props = schemas[name]["properties"]
+        props["decoding"] = {"anyOf": [{"$ref": "#/components/schemas/DecodeConfig"},
+                                       {"type": "null"}], "description": "mbd-jax decoding "
+                             "settings over the server's defaults"}
+        for field in ("max_tokens", "max_completion_tokens", "max_new_tokens"):
+            if field in props:
+                integer_branch(props[field])["maximum"] = limits.max_new_tokens
+        if "n" in props:
+            props["n"]["maximum"] = min(MAX_N, limits.prompts)
+        if "segments" in props:  # (an empty one is answered with its own error entry)
+            props["segments"].update(maxItems=limits.prompts,
+                                     items={"type": "string", "minLength": 1})
+        if "model" in props:  # the one model this server serves
+            props["model"] = {"anyOf": [{"enum": [limits.model]}, {"type": "null"}]}
+    prompt = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+    prompt[1]["maxItems"] = limits.prompts  # a list of strings
+    prompt[2] = ids  # one prompt of token ids
+    prompt[3] = {"type": "array", "items": ids, "minItems": 1, "maxItems": limits.prompts}
+
+
+def openapi(title: str, version: str, limits: Limits | None = None) -> dict:
+    """The OpenAPI 3.1 document of the generation routes (with a server's `limits`)."""
     routes = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
               "/generate": GenerateRequest}
     schemas: dict[str, Any] = {}
@@ -300,5 +397,7 @@ def openapi(title: str, version: str) -> dict:
         "type": "object", "required": ["message", "type", "code"],
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                        "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}}
+    if limits is not None:
+        _with_limits(schemas, limits)
     return {"openapi": "3.1.0", "info": {"title": title, "version": version}, "paths": paths,
             "components": {"schemas": schemas}}

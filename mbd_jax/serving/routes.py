@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from mbd_jax.errors import UserError
 from mbd_jax.serving import protocol
-from mbd_jax.serving.app import (OPENAPI, ClientGone, HTTPError, Service, _shown, engine_error,
+from mbd_jax.serving.app import (ClientGone, HTTPError, Service, _shown, engine_error,
                                  error_response, request_id, unless_gone)
 from mbd_jax.serving.openai_response import Choices, voting_info
 from mbd_jax.serving.request import Request
@@ -253,7 +253,7 @@ class Routes:
                              "segments": [segment(r) for r in results]})
 
     async def openapi(self, request):
-        return JSONResponse(OPENAPI)
+        return JSONResponse(self.svc.openapi)
 
     def _model_card(self) -> dict:
         return {"id": self.svc.model_name, "object": "model", "created": 0, "owned_by": "mbd-jax",
