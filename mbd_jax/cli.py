@@ -294,7 +294,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from mbd_jax.serving.server import load_api_keys, serve
 
     cfg = serve_config(args)
-    keys = load_api_keys(args.api_key_file) + (args.api_key or [])
+    keys = load_api_keys(args.api_key_file, args.api_key or [])
     return serve(cfg, keys, mesh=multihost.mesh_from_args(args))
 
 

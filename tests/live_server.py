@@ -62,7 +62,7 @@ OPTIMISED = {"XLA_FLAGS": ""}
 
 
 class Server:
-    def __init__(self, tmp: pathlib.Path, keys: list[str], sections: dict | None = None,
+    def __init__(self, tmp: pathlib.Path, keys: list, sections: dict | None = None,
                  args: tuple[str, ...] = (), env: dict | None = None, admin: bool = True,
                  tls: tuple[pathlib.Path, pathlib.Path] | None = None, warm: bool = True,
                  **server_overrides):
@@ -82,7 +82,8 @@ class Server:
             **(sections or {}),
         }
         (tmp / "serve.yaml").write_text(yaml.safe_dump(cfg))
-        (tmp / "keys.txt").write_text("\n".join(keys) + "\n")
+        (tmp / "keys.txt").write_text(  # named keys (dicts) as YAML, plain ones a line each
+            yaml.safe_dump(keys) if keys and isinstance(keys[0], dict) else "\n".join(keys) + "\n")
         self.log = open(tmp / "server.log", "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mbd_jax", "serve", "--config", str(tmp / "serve.yaml"),

@@ -235,6 +235,7 @@ def test_metrics_parse_and_move(server):
     assert after["mbd_generated_tokens_total"] >= before["mbd_generated_tokens_total"] + 8
     assert after["mbd_request_seconds_count"] == before["mbd_request_seconds_count"] + 1
     assert after["mbd_compilations_total"] > 0 and after["mbd_compilations_total"] == before["mbd_compilations_total"]
+    assert after["mbd_device_busy_seconds_total"] > before["mbd_device_busy_seconds_total"]
     for name in ("mbd_queue_length", "mbd_busy_rows", "mbd_kv_buffer_usage_ratio",
                  "mbd_tokens_per_forward_count", "mbd_first_block_seconds_count",
                  "mbd_inter_block_seconds_count"):
@@ -255,6 +256,8 @@ def test_metrics_parse_and_move(server):
     info = [k for k in after if k.startswith("mbd_model_info")]  # which model (version) serves
     assert len(info) == 1 and after[info[0]] == 1, info
     assert '"name": "tiny-test"' in info[0] and 'tiny-test.yaml", "version": ""' in info[0], info
+    from mbd_jax import __version__
+    assert f'"code_version": "{__version__}+g' in info[0], info  # a checkout: the commit too
     assert not [k for k in after if k.startswith("mbd_device_memory_bytes")]
     text = httpx.get(server.admin + "/metrics", timeout=10).text
     assert re.search(r"# TYPE mbd_compilations(_total)? counter", text)
@@ -281,8 +284,13 @@ def test_closed_stream_frees_its_row(server):
 
 
 def test_profile_capture_one_at_a_time(server):
+    """One capture at a time (409 for a second), with a key (a plain key may; none: 401)."""
+    assert httpx.post(server.admin + "/admin/profile", json={"seconds": 1},
+                      timeout=10).status_code == 401
+
     async def main():
-        async with httpx.AsyncClient(base_url=server.admin, timeout=60) as c:
+        async with httpx.AsyncClient(base_url=server.admin, timeout=60,
+                                     headers={"Authorization": f"Bearer {KEY}"}) as c:
             first = asyncio.create_task(c.post("/admin/profile", json={"seconds": 1.0}))
             await asyncio.sleep(0.3)
             second = await c.post("/admin/profile", json={"seconds": 1.0})
@@ -293,7 +301,8 @@ def test_profile_capture_one_at_a_time(server):
     assert first.status_code == 200, first.text
     traces = list(pathlib.Path(first.json()["directory"]).rglob("*.xplane.pb"))
     assert traces and traces[0].stat().st_size > 0
-    bad = httpx.post(server.admin + "/admin/profile", json={"seconds": -1}, timeout=10)
+    bad = httpx.post(server.admin + "/admin/profile", json={"seconds": -1}, timeout=10,
+                     headers={"Authorization": f"Bearer {KEY}"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "seconds"
 
 

@@ -129,6 +129,9 @@ class MonitoringConfig:
     log_file: str | None = None
     log_max_bytes: int = 100 << 20
     log_backups: int = 5
+    # The access log (serving/access.py: a line per request, always at INFO): the service's log,
+    # or this file, rotated like it.
+    access_log_file: str | None = None
 
     def validate(self, where: str = "monitoring") -> None:
         _check(self.log_max_bytes >= 1024, where,

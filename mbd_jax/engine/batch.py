@@ -81,6 +81,7 @@ class Batch:
         # (seconds, decode steps) of the latest decode calls, for benches and metrics (stats())
         self._call_log: collections.deque[tuple[float, int]] = collections.deque(maxlen=RECENT_CALLS)
         self._decode_calls = 0
+        self._decode_seconds = 0.0  # inside decode calls (each waits for the device)
         # The model's cache (its layout is the model's business: model/cache.py) in a pool of
         # pages (page_plan.pool_size).
         size = pool_size(cfg, batch_size, buffer_size, prefill_chunk, kv_pool_tokens)
@@ -339,8 +340,10 @@ class Batch:
         running = np.flatnonzero(~self.views.done(state))
         alone = int(running[0]) if len(running) == 1 and self.batch_size > 1 else None
         state, steps = self.runner.decode(state, max_steps or self.steps_per_call, alone)
-        self._call_log.append((time.perf_counter() - t, steps))
+        seconds = time.perf_counter() - t
+        self._call_log.append((seconds, steps))
         self._decode_calls += 1
+        self._decode_seconds += seconds
         if self.offloader is not None:  # stage what this call committed; drain the last call's
             host = self.views.view(state)
             progress = [self.rows[i].offload if i in self.rows else None
@@ -430,11 +433,16 @@ class Batch:
             pages_in_use=pages.in_use, pages_free=pages.free, pages_cached=pages.cached,
             pool_hit_tokens=self.pool_hit_tokens, prefix_hit_tokens=self.prefix_hit_tokens,
             prefill_seconds_per_token=self.prefill_seconds_per_token,
-            decode_calls=self._decode_calls, recent_calls=tuple(self._call_log),
+            decode_calls=self._decode_calls, decode_seconds=self._decode_seconds,
+            recent_calls=tuple(self._call_log),
             store=None if self.prefix_store is None else dataclasses.replace(
                 self.prefix_store.stats),
             offload=None if self.offloader is None else dataclasses.replace(
                 self.offloader.stats))
+
+    def kv_usage(self) -> float:
+        """The share of the KV pool's pages rows hold now (read from any thread)."""
+        return self.pages.in_use / self.pages.num_pages
 
     @property
     def prefix_cache(self) -> bool:

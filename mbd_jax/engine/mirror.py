@@ -39,7 +39,7 @@ MIRRORED: dict[str, str | None] = {
 READS = frozenset({
     "cfg", "tokenizer", "batch_size", "buffer_size", "mesh", "prefix_cache", "check_prompt",
     "check_decode", "check_fits", "prefetch", "stats", "prefill_chunk", "prefill_ready",
-    "can_vote",
+    "can_vote", "kv_usage",
 })
 
 

@@ -24,6 +24,8 @@ class EngineStats:
     prefix_hit_tokens: int  # prompt tokens not prefilled: the pool's pages or the prefix store
     prefill_seconds_per_token: float  # measured at warm-up (with a prefix store), else 0
     decode_calls: int  # decode calls since the engine was built
+    decode_seconds: float  # wall time inside them: each waits for the device (and the prefill
+    # calls dispatched before it), so its rate is the share of time the device is busy
     recent_calls: tuple[tuple[float, int], ...]  # (seconds, steps) of the latest, oldest first
     store: StoreStats | None  # the prefix store's counters (None: no prefix cache)
     offload: OffloadStats | None  # the offloader's (None: no prefix cache)

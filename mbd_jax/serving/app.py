@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import logging
 import pathlib
 import re
 import secrets
-import threading
-import time
 import uuid
 from typing import Any
 
@@ -27,7 +24,7 @@ from mbd_jax import __version__, chat
 from mbd_jax.config import DecodeConfig, ServeConfig, from_dict
 from mbd_jax.errors import UserError
 from mbd_jax.stop_strings import StopStrings
-from mbd_jax.serving import protocol
+from mbd_jax.serving import keys, protocol
 from mbd_jax.serving.body import BodyError, parse_object
 from mbd_jax.serving.request import Request
 from mbd_jax.serving.refusals import Draining, EngineDown, QueueFull
@@ -63,35 +60,6 @@ def error_response(e: HTTPError) -> JSONResponse:
                                    "code": e.status}}, status_code=e.status, headers=e.headers)
 
 
-class TokenBucket:
-    def __init__(self, rate: float, burst: int):
-        self.rate, self.burst = rate, burst
-        self._tokens: dict[str, tuple[float, float]] = {}
-        self._lock = threading.Lock()
-
-    MAX_KEYS = 65536  # past this many callers, those with a full bucket are forgotten
-
-    def take(self, key: str, consume: bool = True) -> float:
-        """0 if allowed (taking a token unless `consume` is False), else seconds until a token
-        is available."""
-        now = time.monotonic()
-        with self._lock:
-            tokens, last = self._tokens.get(key, (float(self.burst), now))
-            tokens = min(self.burst, tokens + (now - last) * self.rate)
-            if tokens >= 1:
-                if consume:
-                    self._tokens[key] = (tokens - 1, now)
-                    self._prune(now)
-                return 0.0
-            self._tokens[key] = (tokens, now)
-            return (1 - tokens) / self.rate
-
-    def _prune(self, now: float) -> None:
-        if len(self._tokens) > self.MAX_KEYS:
-            self._tokens = {k: (t, last) for k, (t, last) in self._tokens.items()
-                            if t + (now - last) * self.rate < self.burst}
-
-
 @dataclasses.dataclass
 class Service:
     """Everything the routes share."""
@@ -100,19 +68,16 @@ class Service:
     scheduler: Scheduler
     metrics: Any
     model_name: str
-    api_keys: list[str]
+    api_keys: list[keys.ApiKey]
     profile_dir: pathlib.Path
     template: chat.Template  # the model's chat template
-    rate: TokenBucket | None = None
-    auth_failures: TokenBucket | None = None  # wrong keys per client address
     profiling: bool = False
+    gate: keys.Gate = dataclasses.field(init=False)  # keys, scopes, rates, token budgets
     openapi: dict = dataclasses.field(init=False)  # /openapi.json, with this server's limits
 
     def __post_init__(self):
         s = self.cfg.server
-        if s.rate_limit_per_s > 0:
-            self.rate = TokenBucket(s.rate_limit_per_s, s.rate_limit_burst)
-        self.auth_failures = TokenBucket(s.auth_failures_per_min / 60, s.auth_failures_per_min)
+        self.gate = keys.Gate(self.api_keys, s)
         model = self.scheduler.engine.cfg
         self.openapi = protocol.openapi("mbd-jax", __version__, protocol.Limits(
             model=self.model_name, max_new_tokens=self.cfg.generation.max_new_tokens_limit, prompts=s.max_segments,
@@ -121,44 +86,30 @@ class Service:
             max_nfe=self.cfg.generation.max_nfe_limit, can_vote=self.scheduler.engine.can_vote))
 
     # ------------------------------------------------------------ request checks
-    def authorize(self, request: HTTPRequest) -> str:
-        """The caller's key (or client address when the service is open); 401 otherwise. Each
-        configured key is compared in constant time."""
+    def authorize(self, request: HTTPRequest, route: str, admin: bool = False) -> keys.Caller:
+        """The caller (its key, or its address when the service is open), allowed to call
+        `route`: else 401, 403 or 429 (keys.Gate). Kept on request.state for the access log."""
         address = request.client.host if request.client else "anonymous"
-        if not self.api_keys:
-            return address
-        header = request.headers.get("authorization", "")
-        given = header[7:].strip() if header.lower().startswith("bearer ") else ""
-        # An address that guessed wrong too often is refused before its key is even compared.
-        wait = self.auth_failures.take(address, consume=False)
-        if wait > 0:
-            self.metrics.rejected.labels("auth_failures").inc()
-            raise HTTPError(429, f"too many invalid API keys from this address (at most "
-                                 f"{self.cfg.server.auth_failures_per_min} a minute)",
-                            kind="rate_limit_error", headers={"Retry-After": str(max(1, round(wait)))})
-        match = None
-        for key in self.api_keys:
-            if hmac.compare_digest(given.encode(), key.encode()) and given:
-                match = key
-        if match is None:
-            if given:  # a missing header is a misconfigured client, not a guess
-                self.auth_failures.take(address)
-            self.metrics.rejected.labels("auth").inc()
-            raise HTTPError(401, "missing or invalid API key (Authorization: Bearer KEY)",
-                            kind="authentication_error",
-                            headers={"WWW-Authenticate": 'Bearer realm="mbd-jax"'})
-        return match
+        try:
+            caller = self.gate.authorize(request.headers.get("authorization", ""), address,
+                                         route, admin)
+        except keys.Refused as e:
+            raise self._refused(e) from None
+        request.state.caller = caller
+        return caller
 
-    def limit_rate(self, caller: str) -> None:
-        if self.rate is None:
-            return
-        wait = self.rate.take(caller)
-        if wait > 0:
+    def admit(self, caller: keys.Caller) -> None:
+        """One request from the caller's rate, within its token budget; 429 naming the limit."""
+        try:
+            self.gate.admit(caller)
+        except keys.Refused as e:
+            raise self._refused(e) from None
+
+    def _refused(self, e: keys.Refused) -> HTTPError:
+        self.metrics.rejected.labels(e.reason).inc()
+        if e.reason == "rate_limit":
             self.metrics.rate_limited.inc()
-            self.metrics.rejected.labels("rate_limit").inc()
-            raise HTTPError(429, f"rate limit: {self.cfg.server.rate_limit_per_s} requests/s "
-                                 f"(burst {self.cfg.server.rate_limit_burst}) per key",
-                            kind="rate_limit_error", headers={"Retry-After": str(max(1, round(wait)))})
+        return HTTPError(e.status, e.message, kind=e.kind, headers=e.headers)
 
     async def read_json(self, request: HTTPRequest) -> dict:
         limit = self.cfg.server.max_body_bytes

@@ -46,7 +46,8 @@ class Metrics:
         r.register(self._read)
         self.requests = Counter("mbd_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=r)
-        self.queue_wait = Histogram("mbd_queue_wait_seconds", "Time from arrival to a free row",
+        self.queue_wait = Histogram("mbd_queue_wait_seconds", "Time from arrival to a free row, "
+                                    "per queue (normal, thinking)", ["queue"],
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.first_block = Histogram("mbd_first_block_seconds", "Time from arrival to the first "
                                      "committed block", buckets=LATENCY_BUCKETS, registry=r)
@@ -72,7 +73,8 @@ class Metrics:
                                     registry=r)
         self.rejected = Counter("mbd_requests_rejected", "Requests refused or ended before "
                                 "running, by reason (queue_full, queue_timeout, draining, loading, "
-                                "engine_down, rate_limit, auth, auth_failures, drain_timeout)",
+                                "engine_down, rate_limit, token_budget, auth, auth_failures, "
+                                "scope, drain_timeout)",
                                 ["reason"], registry=r)
         self.engine_failures = Counter("mbd_engine_failures", "Engine steps that raised (their "
                                        "requests got 500; the engine recovered)", registry=r)
@@ -93,10 +95,20 @@ class Metrics:
                                      registry=r)
         self.model_info = Gauge("mbd_model_info", "1 for the model being served: its name, "
                                 "directory (or preset file) and version (the v<N> directory, "
-                                "'' for none)",
-                                ["name", "path", "version"], registry=r)
+                                "'' for none), and the code serving it (package version, "
+                                "+g<commit> from a checkout)",
+                                ["name", "path", "version", "code_version"], registry=r)
         self.queue_limit = Gauge("mbd_queue_limit", "Waiting requests the queue holds before "
                                  "429 (server.queue_size)", registry=r)
+        self._process_and_devices()
+        if engine is not None:
+            self._engine(engine)
+        if engine is not None and engine.prefix_cache:
+            self._prefix_cache(engine.stats)
+
+    def _process_and_devices(self) -> None:
+        """The process's CPU, memory and file descriptors, its cores, each device's memory."""
+        r = self.registry
         prometheus_client.ProcessCollector(registry=r)  # process_cpu_seconds_total, memory, fds
         Gauge("mbd_cpu_cores", "CPU cores this process may run on (CPU use = rate of "
               "process_cpu_seconds_total / this)", registry=r).set(len(os.sched_getaffinity(0)))
@@ -107,16 +119,23 @@ class Metrics:
                 for kind, key in (("in_use", "bytes_in_use"), ("limit", "bytes_limit")):
                     memory.labels(device=str(dev.id), kind=kind).set_function(
                         lambda dev=dev, key=key: (_memory_stats(dev) or {}).get(key, 0))
-        if engine is not None:
-            Gauge("mbd_prefill_chunk_ready_tokens", "The longest prefill chunk compiled: it grows "
-                  "to server.prefill_chunk as the background warm-up compiles the larger "
-                  "buckets after the service turned ready", registry=r).set_function(
-                lambda: engine.prefill_ready)
-            self._read.add("mbd_kv_pool_prefix_tokens", "Prompt tokens mapped from prefix pages "
-                           "another request left in the KV pool (neither prefilled nor loaded)",
-                           lambda: engine.stats().pool_hit_tokens)
-        if engine is not None and engine.prefix_cache:
-            self._prefix_cache(engine.stats)
+
+    def _engine(self, engine) -> None:
+        """What is read from the engine when scraped: KV pool use, device busy time, the
+        compiled prefill chunk, pool prefix reuse."""
+        r = self.registry
+        self.kv_usage.set_function(engine.kv_usage)  # as the pool is when scraped
+        self._read.add("mbd_device_busy_seconds", "Seconds inside decode calls, which wait "
+                       "for the device (the prefill calls dispatched before them included): "
+                       "its rate is the share of wall time the device is busy",
+                       lambda: engine.stats().decode_seconds)
+        Gauge("mbd_prefill_chunk_ready_tokens", "The longest prefill chunk compiled: it grows "
+              "to server.prefill_chunk as the background warm-up compiles the larger "
+              "buckets after the service turned ready", registry=r).set_function(
+            lambda: engine.prefill_ready)
+        self._read.add("mbd_kv_pool_prefix_tokens", "Prompt tokens mapped from prefix pages "
+                       "another request left in the KV pool (neither prefilled nor loaded)",
+                       lambda: engine.stats().pool_hit_tokens)
 
     def request_done(self, result, seconds: float) -> None:
         """A request's result was sent (`seconds` after it arrived)."""
@@ -157,6 +176,9 @@ class Metrics:
              lambda s: s.offload.settle_waits),
             ("counter", "mbd_prefix_cache_disk_dropped", "Blocks not written to disk: the write "
              "queue was full", lambda s: s.store.disk_dropped),
+            ("counter", "mbd_prefix_cache_disk_write_errors", "Disk tier writes that failed "
+             "(unwritable directory, full disk): those blocks live in RAM only",
+             lambda s: s.store.disk_errors),
             ("gauge", "mbd_prefix_cache_disk_entries", "Entries in the disk tier",
              lambda s: s.store.disk_entries),
             ("counter", "mbd_prefix_cache_seconds_saved", "Prefill time saved by hits (hit tokens "

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mbd_jax.errors import UserError
-from mbd_jax.serving import protocol
+from mbd_jax.serving import access, protocol
 from mbd_jax.serving.app import (ClientGone, HTTPError, Service, _shown, engine_error,
                                  error_response, request_id, unless_gone)
 from mbd_jax.serving.openai_response import Choices, voting_info
@@ -53,13 +53,14 @@ PROBES = frozenset({"/health", "/ready", "/metrics"})
 
 def route(svc: Service, path: str, methods: list[str], name: str, handler) -> Route:
     """A Route whose endpoint answers `handler`'s response, or the JSON error of an HTTPError (a
-    client gone: 499; anything else: 500, logged), with the request id header, the request
-    counter and one log line (INFO; DEBUG for the PROBES)."""
-    level = logging.DEBUG if path in PROBES else logging.INFO
+    client gone: 499; anything else: 500, logged), with the request id header. When the answer
+    has gone out (a stream: once it ended; cut by the client: 499) the request is counted, its
+    tokens are charged to its key's budget, and the access log has its line (access.py)."""
 
     async def endpoint(request: HTTPRequest) -> Response:
         t0 = time.perf_counter()
         rid = request.state.rid = request_id(request)
+        request.state.route, request.state.jobs = name, []
         try:
             response = await handler(request)
         except HTTPError as e:
@@ -71,12 +72,39 @@ def route(svc: Service, path: str, methods: list[str], name: str, handler) -> Ro
             response = error_response(HTTPError(500, "internal error; see the server log",
                                                 kind="server_error"))
         response.headers["x-request-id"] = rid
-        svc.metrics.requests.labels(name, str(response.status_code)).inc()
-        log.log(level, "request %s %s %s status=%d bytes_in=%s ms=%.1f", rid, request.method,
-                path, response.status_code, request.headers.get("content-length", "-"),
-                 (time.perf_counter() - t0) * 1e3)
+
+        def finished(status: int) -> None:
+            svc.metrics.requests.labels(name, str(status)).inc()
+            svc.gate.charge(getattr(request.state, "caller", None), sum(access.tokens(request)))
+            access.line(request, path, status, (time.perf_counter() - t0) * 1e3, path in PROBES)
+
+        if isinstance(response, StreamingResponse):
+            return WatchedStream(response, finished)
+        finished(response.status_code)
         return response
     return Route(path, endpoint, methods=methods, name=name)
+
+
+class WatchedStream:
+    """A streamed response that reports how it ended: its status once every chunk went out,
+    499 when the client left first (Starlette then stops sending, without an error)."""
+
+    def __init__(self, response: StreamingResponse, finished) -> None:
+        self.response, self.finished, self.complete = response, finished, False
+        chunks = response.body_iterator
+
+        async def body():
+            async for chunk in chunks:
+                yield chunk
+            self.complete = True
+
+        response.body_iterator = body()
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await self.response(scope, receive, send)
+        finally:
+            self.finished(self.response.status_code if self.complete else 499)
 
 
 async def http_exception(request: HTTPRequest, exc: StarletteHTTPException) -> Response:
@@ -93,9 +121,9 @@ class Routes:
         self.svc = svc
 
     async def _guarded(self, request: HTTPRequest) -> dict:
-        caller = self.svc.authorize(request)
+        caller = self.svc.authorize(request, request.state.route)
         self.svc.available()  # a request refused while loading spends no rate-limit token
-        self.svc.limit_rate(caller)
+        self.svc.admit(caller)
         return await self.svc.read_json(request)
 
     async def completions(self, request):
@@ -134,6 +162,7 @@ class Routes:
         with_logprobs = protocol.wants_logprobs(req)
         reqs = await self.svc.start([prompts[p] for p in prompt_of], decodes, thinking, req.stop,
                                     with_logprobs)
+        request.state.jobs = reqs
         choices = Choices(reqs, prompt_of, chat_format=chat_format, thinking=thinking,
                           logprobs=with_logprobs, tokenizer=self.svc.scheduler.engine.tokenizer,
                           model_name=self.svc.model_name)
@@ -230,6 +259,7 @@ class Routes:
         if ids:
             reqs = await self.svc.start(list(ids.values()), [decodes[i] for i in ids], thinking,
                                         req.stop)  # batched together
+            request.state.jobs = reqs
             done = await unless_gone(request, reqs, asyncio.gather(
                 *(self.svc.collect(r) for r in reqs), return_exceptions=True))
             for i, r in zip(ids, done):
@@ -260,11 +290,11 @@ class Routes:
                 "max_model_len": self.svc.scheduler.engine.cfg.max_seq_len}
 
     async def models(self, request):
-        self.svc.authorize(request)
+        self.svc.authorize(request, "models")
         return JSONResponse({"object": "list", "data": [self._model_card()]})
 
     async def model(self, request):
-        self.svc.authorize(request)
+        self.svc.authorize(request, "model")
         if request.path_params["model_id"] != self.svc.model_name:
             raise HTTPError(404, f"model '{_shown(request.path_params['model_id'])}' does not "
                                  f"exist; this server serves '{self.svc.model_name}'",
@@ -295,6 +325,7 @@ class Routes:
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def profile(self, request):
+        self.svc.authorize(request, "profile", admin=True)
         body = await self.svc.read_json(request)
         seconds = body.get("seconds")
         if (not isinstance(seconds, (int, float)) or isinstance(seconds, bool)

@@ -35,6 +35,7 @@ log = logging.getLogger("mbd_jax.serving")
 
 
 WARMUP_STOP_S = 1.0  # a stop during warm-up waits this long for the program being compiled
+QUEUES = {False: "normal", True: "thinking"}  # by `thinking`, as metrics name them
 
 
 class Scheduler:
@@ -169,7 +170,6 @@ class Scheduler:
         for event in out.events:
             self._deliver(event)
         self.metrics.busy_rows.set(len(self._running))
-        self.metrics.kv_usage.set(stats.kv_usage)
         return out
 
     def _fatal(self, e: BaseException) -> None:
@@ -242,7 +242,7 @@ class Scheduler:
                 self._queues[r.thinking].remove(r)
                 self._running.add(r)
                 r.started = now
-                self.metrics.queue_wait.observe(now - r.arrived)
+                self.metrics.queue_wait.labels(QUEUES[r.thinking]).observe(now - r.arrived)
             self.metrics.queue_length.set(sum(len(q) for q in self._queues.values()))
 
     def _deliver(self, event: RowEvent) -> None:

@@ -26,11 +26,13 @@ import signal
 import socket
 import ssl
 import time
+from collections.abc import Sequence
 
 import jax
 import uvicorn
 
 from mbd_jax import chat, compile_cache
+from mbd_jax.build_info import code_version
 from mbd_jax.cache.prefix_store import PrefixStore, model_identity
 from mbd_jax.checkpoint import load_model
 from mbd_jax.config import (MonitoringConfig, ServeConfig, ServerConfig, model_version,
@@ -39,6 +41,7 @@ from mbd_jax.decoding.voting import record_shape
 from mbd_jax.engine import Engine, mirror
 from mbd_jax.errors import UserError
 from mbd_jax.parallel import multihost
+from mbd_jax.serving import access, keys
 from mbd_jax.serving.app import Service
 from mbd_jax.serving.routes import build_apps
 from mbd_jax.serving.connections import connection_budget, guarded_protocol, quiet_repeats
@@ -58,15 +61,14 @@ class _Server(uvicorn.Server):
         yield
 
 
-def load_api_keys(path: str | None) -> list[str]:
-    keys = [k.strip() for k in os.environ.get("MBD_API_KEYS", "").split(",") if k.strip()]
-    if path:
-        try:
-            lines = pathlib.Path(path).read_text().splitlines()
-        except OSError as e:
-            raise UserError(f"--api-key-file {path}: {e.strerror}") from None
-        keys += [k.strip() for k in lines if k.strip() and not k.startswith("#")]
-    return keys
+def load_api_keys(path: str | None, given: Sequence[str] = ()) -> list[keys.ApiKey]:
+    """MBD_API_KEYS (plain, comma-separated), the key file (plain or named: keys.py) and the
+    keys given on the command line (plain), each name and key once."""
+    plain = [k.strip() for k in os.environ.get("MBD_API_KEYS", "").split(",") if k.strip()]
+    found = [*map(keys.plain, plain), *(keys.load_key_file(path) if path else []),
+             *map(keys.plain, given)]
+    keys.check_unique(found)
+    return found
 
 
 def build_engine(cfg: ServeConfig, mesh: jax.sharding.Mesh | None = None) -> Engine:
@@ -96,7 +98,7 @@ def build_engine(cfg: ServeConfig, mesh: jax.sharding.Mesh | None = None) -> Eng
     return engine
 
 
-def build_service(cfg: ServeConfig, api_keys: list[str], profile_dir: str = "profiles",
+def build_service(cfg: ServeConfig, api_keys: list[keys.ApiKey], profile_dir: str = "profiles",
                   mesh: jax.sharding.Mesh | None = None) -> Service:
     t0 = time.monotonic()
     engine = build_engine(cfg, mesh)
@@ -109,7 +111,8 @@ def build_service(cfg: ServeConfig, api_keys: list[str], profile_dir: str = "pro
     model_dir = config_path.parent
     where = model_dir if config_path.name == "config.yaml" else config_path  # a dir, or a preset
     version = model_version(model_dir) if where == model_dir else ""
-    metrics.model_info.labels(name=engine.cfg.name, path=str(where), version=version).set(1)
+    metrics.model_info.labels(name=engine.cfg.name, path=str(where), version=version,
+                              code_version=code_version()).set(1)
     log.info("model %s%s from %s: loaded in %.1f s", engine.cfg.name,
              f" {version}" if version else "", where, load_seconds)
     metrics.queue_limit.set(cfg.server.queue_size)
@@ -237,9 +240,10 @@ def setup_logging(m: MonitoringConfig) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # orbax (through absl) narrates every checkpoint read at INFO: only when debugging
     logging.getLogger("absl").setLevel(logging.DEBUG if m.log_level == "debug" else logging.WARNING)
+    access.setup(m)
 
 
-def serve(cfg: ServeConfig, api_keys: list[str], mesh: jax.sharding.Mesh | None = None) -> int:
+def serve(cfg: ServeConfig, api_keys: list[keys.ApiKey], mesh: jax.sharding.Mesh | None = None) -> int:
     setup_logging(cfg.monitoring)
     cache = compile_cache.enable(cfg.server.compile_cache, "server.compile_cache")  # first compile
     cfg = multihost.share(cfg)  # process 0's config builds every process's engine
