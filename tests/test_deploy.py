@@ -115,25 +115,35 @@ def test_manifests_validate_against_the_kubernetes_schemas_offline():
         kubernetes_validate.validate(doc, "1.37.0", strict=True)  # raises naming the field
 
 
+def serve_configs() -> dict:
+    """Each ConfigMap's serve.yaml, loaded as the service loads it (a valid ServeConfig)."""
+    from mbd_jax.config import load_serve_config
+
+    out = {}
+    for _, doc in manifests():
+        if doc["kind"] == "ConfigMap" and "serve.yaml" in doc["data"]:
+            path = pathlib.Path(__file__).parent / f"_configmap_{doc['metadata']['name']}.yaml"
+            try:
+                path.write_text(doc["data"]["serve.yaml"])
+                out[doc["metadata"]["name"]] = load_serve_config(path)
+            finally:
+                path.unlink(missing_ok=True)
+    return out
+
+
 def test_probes_and_ports_match_the_service():
     """Probe paths are routes the service answers without a key, probe and container ports are
     the ports the shipped config (and the ConfigMap's serve.yaml) listen on, and the ConfigMap is
     a valid serve config."""
-    from mbd_jax.config import load_serve_config
-
     routes = set(re.findall(r'route\(svc, "(/[a-z]+)", \["GET"\]', (
         ROOT / "mbd_jax" / "serving" / "routes.py").read_text()))
     assert {"/health", "/ready"} <= routes
-    (config_map,) = [d for _, d in manifests() if d["kind"] == "ConfigMap"]
-    path = pathlib.Path(__file__).parent / "_configmap_serve.yaml"
-    try:
-        path.write_text(config_map["data"]["serve.yaml"])
-        served = load_serve_config(path).server
-    finally:
-        path.unlink(missing_ok=True)
+    served = {name: cfg.server for name, cfg in serve_configs().items()}
+    assert len(served) == 2 and len({(s.port, s.admin_port) for s in served.values()}) == 1
+    served = served["mbd-jax-config"]
     want = {"http": served.port, "admin": served.admin_port}
     workloads = [d for _, d in manifests() if d["kind"] in ("Deployment", "StatefulSet")]
-    assert len(workloads) == 2
+    assert len(workloads) == 3
     for w in workloads:
         (c,) = w["spec"]["template"]["spec"]["containers"]
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
@@ -184,3 +194,59 @@ def test_the_cpu_image_builds_and_generates(tmp_path):
                         "--prompt-ids", "11,12,13", "--max-new-tokens", "4", "--json"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and '"token_ids"' in r.stdout, r.stderr[-3000:]
+
+
+def pod_spec(kind: str, name: str) -> dict:
+    """A document of the replicated set-up (multi-host.yaml is the other way to run, apart)."""
+    (doc,) = [d for f, d in manifests() if f != "multi-host.yaml" and d["kind"] == kind
+              and d["metadata"]["name"] == name]
+    return doc
+
+
+def test_the_cluster_set_up_runs_the_cache_scales_and_rolls_out_safely():
+    """As shipped: the prefix cache on in every serving ConfigMap, its disk tier on a volume of
+    its own, mounted where the config (and the image's environment) put it and sized above
+    disk_capacity_mb; the autoscaler scales the stable Deployment on pod metrics the adapter
+    rules serve and the service exports; the disruption budget, the Service and the canary
+    select what they should (the canary takes traffic, not the stable Deployment's count)."""
+    import re as _re
+
+    for name, cfg in serve_configs().items():
+        assert cfg.cache.enabled, name
+    for name, config in (("mbd-jax", "mbd-jax-config"), ("mbd-jax-canary", "mbd-jax-canary-config")):
+        spec = pod_spec("Deployment", name)["spec"]["template"]["spec"]
+        (c,) = spec["containers"]
+        cache = serve_configs()[config].cache
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        kv = volumes[mounts[cache.storage_path]]
+        size = kv["emptyDir"]["sizeLimit"]
+        assert _re.fullmatch(r"\d+Gi", size) and int(size[:-2]) * 1024 > cache.disk_capacity_mb
+        assert spec["securityContext"]["fsGroup"] == 10001  # writable by the service's user
+        assert {e["name"] for e in c["env"]} >= {"POD_NAME", "POD_NAMESPACE"}
+    for dockerfile in sorted((DEPLOY / "docker").glob("Dockerfile*")):
+        path = _re.search(r"MBD_CACHE_STORAGE_PATH=(\S+)", dockerfile.read_text()).group(1)
+        assert path.startswith("/cache/") and path == serve_configs()["mbd-jax-config"].cache.storage_path
+    hpa = pod_spec("HorizontalPodAutoscaler", "mbd-jax")["spec"]
+    assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "mbd-jax"}
+    wanted = {m["pods"]["metric"]["name"] for m in hpa["metrics"]}
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "adapter.yaml").read_text())["rules"]
+    served = {r["name"]["as"] for r in rules}
+    read = {n for r in rules for n in _re.findall(r"\b(mbd_\w+)", r["metricsQuery"] + r["seriesQuery"])}
+    assert wanted == served and wanted <= read and read <= exported_metric_names()
+    stable = pod_spec("Deployment", "mbd-jax")
+    canary = pod_spec("Deployment", "mbd-jax-canary")
+    selects = lambda selector, labels: selector.items() <= labels.items()  # noqa: E731
+    stable_pods, canary_pods = (d["spec"]["template"]["metadata"]["labels"] for d in (stable, canary))
+    service = pod_spec("Service", "mbd-jax")["spec"]["selector"]
+    budget = pod_spec("PodDisruptionBudget", "mbd-jax")["spec"]
+    assert selects(service, stable_pods) and selects(service, canary_pods)
+    assert not selects(stable["spec"]["selector"]["matchLabels"], canary_pods)
+    assert selects(budget["selector"]["matchLabels"], stable_pods) and budget["maxUnavailable"] == 1
+    assert hpa["minReplicas"] == stable["spec"]["replicas"] >= 2
+    spread = stable["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert "topology.kubernetes.io/zone" in {t["topologyKey"] for t in spread}
+    floors = sorted(_re.search(r'"minReplicas":(\d+)', " ".join(pod_spec("CronJob", n)["spec"][
+        "jobTemplate"]["spec"]["template"]["spec"]["containers"][0]["args"])).group(1)
+        for n in ("mbd-jax-off-peak", "mbd-jax-peak"))
+    assert floors == ["1", str(hpa["minReplicas"])]

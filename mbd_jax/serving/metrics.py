@@ -107,8 +107,13 @@ class Metrics:
             self._prefix_cache(engine.stats)
 
     def _process_and_devices(self) -> None:
-        """The process's CPU, memory and file descriptors, its cores, each device's memory."""
+        """The process's CPU, memory and file descriptors, its cores, each device's memory, and
+        the Kubernetes pod it runs as (POD_NAME / POD_NAMESPACE from the downward API)."""
         r = self.registry
+        pod = Gauge("mbd_pod_info", "1 for the pod this process runs as (for joins on instance: "
+                    "deploy/prometheus/adapter.yaml)", ["namespace", "pod"], registry=r)
+        if os.environ.get("POD_NAME"):
+            pod.labels(os.environ.get("POD_NAMESPACE", ""), os.environ["POD_NAME"]).set(1)
         prometheus_client.ProcessCollector(registry=r)  # process_cpu_seconds_total, memory, fds
         Gauge("mbd_cpu_cores", "CPU cores this process may run on (CPU use = rate of "
               "process_cpu_seconds_total / this)", registry=r).set(len(os.sched_getaffinity(0)))
