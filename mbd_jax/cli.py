@@ -348,24 +348,38 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from mbd_jax import eval_data
     from mbd_jax.checkpoint import load_model
-    from mbd_jax.evaluate import evaluate, task_names
+    from mbd_jax.evaluate import evaluate, evaluate_dataset, task_names
 
     decode = _decode_config(args)
-    task_names(args.task, args.limit)  # fail before loading anything
+    if args.dataset and args.task is not None:
+        raise UserError("give --task (built-in splits) or --dataset (your files), not both")
+    for path in args.dataset or []:  # fail before loading anything
+        eval_data.load(path)
+    if args.dataset:
+        eval_data.scorer(args.scorer)
+    else:
+        task_names(args.task or "all", args.limit)
     mesh = multihost.mesh_from_args(args)
     model = load_model(args.model, mesh=mesh, runtime=_runtime(args))
-    report = evaluate(model, args.task, decode, limit=args.limit, batch_size=args.batch_size,
-                      progress=not args.no_progress and multihost.is_leader(), mesh=mesh,
-                      fmt=args.format)
+    progress = not args.no_progress and multihost.is_leader()
+    if args.dataset:
+        reports = [evaluate_dataset(model, path, decode, args.scorer, batch_size=args.batch_size,
+                                    progress=progress, mesh=mesh) for path in args.dataset]
+    else:
+        reports = [evaluate(model, args.task or "all", decode, limit=args.limit,
+                            batch_size=args.batch_size, progress=progress, mesh=mesh,
+                            fmt=args.format)]
     if not multihost.is_leader():
         return 0
-    if args.json:
-        print(json.dumps(report.to_json()))
-    else:
-        print(f"{report.model} {report.task} ({report.format}) n={report.n} "
-              f"accuracy={report.accuracy:.3f} "
-              f"tpf={report.tpf:.2f} tokens/s={report.tokens_per_s:.1f}")
+    for report in reports:
+        if args.json:
+            print(json.dumps(report.to_json()))
+        else:
+            print(f"{report.model} {report.task} ({report.format}) n={report.n} "
+                  f"accuracy={report.accuracy:.3f} "
+                  f"tpf={report.tpf:.2f} tokens/s={report.tokens_per_s:.1f}")
     return 0
 
 
@@ -488,8 +502,16 @@ def _eval_command(sub) -> None:
     e.add_argument("--model", default=DEFAULT_MODEL, help="preset name, YAML file or model dir")
     from mbd_jax.train import tasks
 
-    e.add_argument("--task", default="all",
-                   help=f"{tasks.EVAL_TASKS_HELP} (default: all)")
+    e.add_argument("--task", default=None,
+                   help=f"{tasks.EVAL_TASKS_HELP} (default: all, unless --dataset is given)")
+    e.add_argument("--dataset", action="append", metavar="FILE.jsonl",
+                   help="your own examples instead of a task: one JSON object a line with "
+                        "'prompt' (text) or 'messages' (a chat) and 'answer' (repeatable: a "
+                        "report per file; mbd_jax/eval_data.py)")
+    e.add_argument("--scorer", default="exact",
+                   help="how a --dataset reply is judged: exact, regex (the answer is a pattern "
+                        "to find), number (the last number equals the answer) or "
+                        "module:function(reply, answer) -> bool (default: exact)")
     e.add_argument("--format", default="chat", choices=tasks.FORMATS,
                    help="how each question reaches the model: a chat turn, after a system line, "
                         "after an earlier turn, or raw text with no template (default: chat)")

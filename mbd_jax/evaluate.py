@@ -10,10 +10,12 @@ TPF is output tokens (each answer and its EOS) over decode forwards, summed over
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from mbd_jax import eval_data
 from mbd_jax.checkpoint import LoadedModel
 from mbd_jax.config import DecodeConfig, decode_config
 from mbd_jax.engine import Engine
@@ -58,8 +60,6 @@ def evaluate(model: LoadedModel, task: str, decode: DecodeConfig, *, limit: int 
     list, or `all`), each question in format `fmt` (tasks.FORMATS: a chat turn, after a system
     line, after an earlier turn, or raw text); `engine` may be reused across calls (compiled for
     >= decode.buffer_size), or is built on `mesh`."""
-    from tqdm import tqdm
-
     names = task_names(task, limit)
     if model.tokenizer is None:
         raise UserError(f"--model {model.path}: eval needs a model with a tokenizer")
@@ -70,29 +70,97 @@ def evaluate(model: LoadedModel, task: str, decode: DecodeConfig, *, limit: int 
                         buffer_size=decode.buffer_size, tokenizer=model.tokenizer, mesh=mesh)
         engine.warmup(buckets=engine.prefill_buckets_for(prompts))
     engine.check_decode(decode, where="decoding")
-    correct = tokens = nfe = 0
-    seconds = 0.0
-    wrong: list[dict[str, str]] = []
-    bar = tqdm(total=len(examples), disable=not progress, unit="ex", desc=f"{task} N{decode.buffer_size}")
-    for s in range(0, len(examples), engine.batch_size):
+    tally = decode_and_score(
+        engine, prompts, decode, lambda i, text: examples[i].is_correct(text),
+        lambda i: (examples[i].prompt, examples[i].answer), f"{task} N{decode.buffer_size}",
+        progress)
+    return tally.report(model.cfg.name, ",".join(names), decode, fmt)
+
+
+@dataclasses.dataclass
+class Tally:
+    """What decoding a set of prompts and scoring the replies came to."""
+
+    n: int = 0
+    correct: int = 0
+    tokens: int = 0  # TPF's numerator: each answer and its EOS
+    nfe: int = 0
+    seconds: float = 0.0
+    wrong: list[dict[str, str]] = dataclasses.field(default_factory=list)  # the first few
+
+    def report(self, model: str, task: str, decode: DecodeConfig, fmt: str) -> EvalReport:
+        return EvalReport(model=model, task=task, n=self.n, correct=self.correct,
+                          accuracy=self.correct / self.n, tpf=self.tokens / max(self.nfe, 1),
+                          tokens_per_s=self.tokens / max(self.seconds, 1e-9), tokens=self.tokens,
+                          nfe=self.nfe, seconds=round(self.seconds, 3),
+                          buffer_size=decode.buffer_size,
+                          accept_threshold=decode.accept_threshold, format=fmt, wrong=self.wrong)
+
+
+def decode_and_score(engine: Engine, prompts: list[list[int]], decode: DecodeConfig,
+                     is_correct: Callable[[int, str], bool],
+                     shown: Callable[[int], tuple[str, str]], desc: str,
+                     progress: bool) -> Tally:
+    """Decodes `prompts` (token ids) `engine.batch_size` at a time and scores reply i with
+    is_correct(i, text); `shown(i)` is (prompt, expected) of a wrong one, kept for reading."""
+    from tqdm import tqdm
+
+    tally = Tally(n=len(prompts))
+    bar = tqdm(total=len(prompts), disable=not progress, unit="ex", desc=desc)
+    for s in range(0, len(prompts), engine.batch_size):
         t0 = time.perf_counter()
         results = engine.generate(prompts[s: s + engine.batch_size], decode)
-        seconds += time.perf_counter() - t0
-        for ex, r in zip(examples[s: s + engine.batch_size], results):
-            ok = ex.is_correct(r.text)
-            correct += ok
-            tokens += r.output_tokens  # TPF's numerator: the answer and its EOS
-            nfe += r.nfe
-            if not ok and len(wrong) < 5:
-                wrong.append({"prompt": ex.prompt, "expected": ex.answer, "got": r.text})
+        tally.seconds += time.perf_counter() - t0
+        for i, r in enumerate(results, s):
+            ok = is_correct(i, r.text)
+            tally.correct += ok
+            tally.tokens += r.output_tokens
+            tally.nfe += r.nfe
+            if not ok and len(tally.wrong) < 5:
+                prompt, expected = shown(i)
+                tally.wrong.append({"prompt": prompt, "expected": expected, "got": r.text})
         bar.update(len(results))
-        bar.set_postfix(acc=f"{correct / (s + len(results)):.3f}", tpf=f"{tokens / max(nfe, 1):.2f}")
+        done = s + len(results)
+        bar.set_postfix(acc=f"{tally.correct / done:.3f}",
+                        tpf=f"{tally.tokens / max(tally.nfe, 1):.2f}")
     bar.close()
-    return EvalReport(model=model.cfg.name, task=",".join(names), n=len(examples),
-                      correct=correct, accuracy=correct / len(examples), tpf=tokens / max(nfe, 1),
-                      tokens_per_s=tokens / seconds, tokens=tokens, nfe=nfe,
-                      seconds=round(seconds, 3), buffer_size=decode.buffer_size,
-                      accept_threshold=decode.accept_threshold, format=fmt, wrong=wrong)
+    return tally
+
+
+def evaluate_dataset(model: LoadedModel, path: str, decode: DecodeConfig, scorer: str = "exact",
+                     *, batch_size: int = 16, progress: bool = False,
+                     engine: Engine | None = None, mesh=None) -> EvalReport:
+    """Accuracy, TPF and tokens/s on the user's JSONL file (eval_data.py): raw prompts as they
+    are, chats in the model's chat template; each reply's answer part (after the reasoning of a
+    thinking reply) judged by `scorer`."""
+    from mbd_jax import chat
+
+    judge = eval_data.scorer(scorer)
+    items = eval_data.load(path)
+    if scorer == "regex":
+        eval_data.check_regexes(items, path)
+    if model.tokenizer is None:
+        raise UserError(f"--model {model.path}: eval needs a model with a tokenizer")
+    template = chat.for_model(model.path.parent, model.cfg.chat_template)
+    texts = [it.prompt if it.prompt is not None else template.render(it.messages)
+             for it in items]
+    prompts = [model.tokenizer.encode(t) for t in texts]
+    if engine is None:
+        engine = Engine(model.cfg, model.params, batch_size=batch_size,
+                        buffer_size=decode.buffer_size, tokenizer=model.tokenizer, mesh=mesh)
+        engine.warmup(buckets=engine.prefill_buckets_for(prompts))
+    engine.check_decode(decode, where="decoding")
+    for it, p in zip(items, prompts):
+        engine.check_prompt(p, where=f"--dataset {path}, line {it.line}")
+
+    def is_correct(i: int, text: str) -> bool:
+        reply = chat.split_reasoning(text)[1] if chat.THINK_END in text else text
+        return judge(reply.strip(), items[i].answer)
+
+    tally = decode_and_score(engine, prompts, decode, is_correct,
+                             lambda i: (texts[i], items[i].answer),
+                             f"{pathlib.Path(path).name} N{decode.buffer_size}", progress)
+    return tally.report(model.cfg.name, str(path), decode, f"dataset:{scorer}")
 
 
 def table1_decode(buffer_size: int, **overrides: Any) -> DecodeConfig:

@@ -521,6 +521,8 @@ def test_integer_valued_numbers_count_as_integers_and_the_schema_states_the_limi
     assert texts[0] == texts[1] and len(texts[0]) == 2
     r = post(server, "/v1/completions", {**body, "max_tokens": 8.5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = post(server, "/v1/completions", {**body, "max_tokens": 2000})  # says what to send
+    assert r.status_code == 400 and "got 2000: send 1024 or less" in r.json()["error"]["message"]
     schemas = httpx.get(server.url + "/openapi.json", timeout=10).json()["components"]["schemas"]
     props = schemas["CompletionRequest"]["properties"]
     assert props["max_tokens"]["anyOf"][0]["maximum"] == LIMITS["generation"]["max_new_tokens_limit"]

@@ -182,7 +182,10 @@ class Service:
         requested = overrides.get("max_new_tokens")
         if protocol.is_int(requested) and requested > limit:
             raise HTTPError(400, f"{max_field} must be at most {limit} on this server"
-                                 + (" for thinking requests" if thinking else ""), param=max_field)
+                                 + (" for thinking requests" if thinking else "") + f", got "
+                                 f"{requested}: send {limit} or less (a client with a default "
+                                 "budget, such as lm-evaluation-harness's max_gen_toks of 256, "
+                                 "needs it set)", param=max_field)
         for name in ("temperature", "top_p"):
             if getattr(req, name) is not None:
                 overrides[name] = getattr(req, name)
