@@ -16,7 +16,8 @@ from mbd_jax.config.paths import (DATA_ROOT, IN_CHECKOUT, MODEL_PRESET_DIR, REPO
                                   SHIPPED_MODEL_DIR, available_presets, latest_version,
                                   model_version, resolve_model_path)
 from mbd_jax.config.serving import (GENERATION_FILE, GENERATION_SECTIONS, CacheConfig,
-                                    GenerationConfig, MonitoringConfig, ServeConfig, ServerConfig,
+                                    GenerationConfig, MonitoringConfig, SchedulerConfig,
+                                    ServeConfig, ServerConfig,
                                     load_serve_config, model_generation_settings, serve_env_names)
 from mbd_jax.errors import ConfigError
 
@@ -31,7 +32,7 @@ __all__ = [
     "DATA_ROOT", "IN_CHECKOUT", "MODEL_PRESET_DIR", "REPO_ROOT", "SHIPPED_MODEL_DIR",
     "available_presets", "latest_version", "model_version", "resolve_model_path",
     "GENERATION_FILE", "GENERATION_SECTIONS", "CacheConfig", "GenerationConfig",
-    "MonitoringConfig", "ServeConfig", "ServerConfig", "load_serve_config",
+    "MonitoringConfig", "SchedulerConfig", "ServeConfig", "ServerConfig", "load_serve_config",
     "model_generation_settings", "serve_env_names",
     "ConfigError",
 ]

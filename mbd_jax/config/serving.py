@@ -104,6 +104,27 @@ class ServerConfig:
             _check(getattr(self, f) > 0, where, f"field '{f}' must be > 0, got {getattr(self, f)}")
 
 
+SchedulerType = Literal["fifo", "dynamic"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Which waiting requests each engine step offers first (serving/admission_order.py).
+    fifo: normal requests in arrival order, then thinking ones. dynamic: the oldest request's
+    length class first (prompts under min_segment_len tokens are one class, merged into the same
+    calls; longer ones by prefill bucket), so the rows admitted together pad less; any request
+    waiting past max_wait_ms goes ahead of every grouping, thinking requests too."""
+
+    type: SchedulerType = "dynamic"
+    min_segment_len: int = 32  # tokens: shorter prompts are one class
+    max_wait_ms: int = 2000  # after this long in the queue (at most half of
+    # server.queue_timeout_ms), arrival order alone
+
+    def validate(self, where: str = "scheduler") -> None:
+        _check(self.min_segment_len >= 1, where, "field 'min_segment_len' must be >= 1")
+        _check(self.max_wait_ms >= 0, where, "field 'max_wait_ms' must be >= 0")
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     """Prefix KV cache: committed blocks are persisted (double-buffered device-to-host copies) to
@@ -149,6 +170,7 @@ class ServeConfig:
     generation: GenerationConfig = GenerationConfig()
     decoding: DecodeConfig = DecodeConfig(buffer_size=2)  # request defaults
     server: ServerConfig = ServerConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
     monitoring: MonitoringConfig = MonitoringConfig()
 

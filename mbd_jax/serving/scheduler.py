@@ -28,6 +28,7 @@ import jax
 from mbd_jax.config import ServeConfig
 from mbd_jax.engine import Engine, GenerationResult
 from mbd_jax.engine.rows import RowEvent
+from mbd_jax.serving import admission_order
 from mbd_jax.serving.refusals import Draining, EngineDown, QueueFull, WarmupStopped
 from mbd_jax.serving.request import Request
 
@@ -227,13 +228,13 @@ class Scheduler:
                 r.job.prefix, r.job.prefetched = self.engine.prefetch(r.prompt), True
 
     def _candidates(self) -> list[Request]:
-        """The queues' heads the engine may admit now, in order: normal requests first, then
-        thinking ones within their row budget."""
+        """What the engine may admit now, in the scheduler's order (admission_order.py)."""
         with self._lock:
             free = self.engine.batch_size - len(self._running)
             room = self.cfg.generation.thinking_max_rows - sum(r.thinking for r in self._running)
-            return (list(self._queues[False])[:free]
-                    + list(self._queues[True])[: max(0, min(room, free))])
+            return admission_order.offer(self._queues[False], self._queues[True], free, room,
+                                         self.cfg.scheduler,
+                                         self.cfg.server.queue_timeout_ms / 1e3, time.monotonic())
 
     def _admitted(self, requests: list[Request]) -> None:
         now = time.monotonic()
