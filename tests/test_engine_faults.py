@@ -209,3 +209,53 @@ def test_deadlines_end_a_long_request_and_a_queued_one(engine, monkeypatch):
         assert asyncio.run(after()) == ("done", engine.reference)
     finally:
         s.stop()
+
+
+def test_thinking_requests_keep_to_their_row_cap_and_time_budget(engine, monkeypatch):
+    """generation.thinking_max_rows 1 with both rows free: of two long thinking requests the
+    second starts only once the first has ended, each at its thinking_timeout_ms (504), while a
+    normal request beside them is served (the cap is the thinking requests' alone). Every step
+    sleeps first, so the budget passes however fast the machine decodes."""
+    cfg = ServeConfig(model="tiny-test", decoding=DecodeConfig(buffer_size=2),
+                      generation=dataclasses.replace(ServeConfig().generation, thinking_max_rows=1,
+                                                     thinking_timeout_ms=1500),
+                      server=dataclasses.replace(ServerConfig(), max_batch_size=2, buffer_size=2,
+                                                 steps_per_call=4))
+    engine.reset_buffers()
+    step = engine.step
+
+    def slow_step(*args, **kwargs):
+        time.sleep(0.05)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "step", slow_step)
+    s = Scheduler(engine, cfg, Metrics())
+    s.start()
+
+    async def main():
+        await until_ready(s)
+        loop = asyncio.get_running_loop()
+        thinking = [Request(id=f"think{i}", prompt=list(PROMPT), decode=LONG, loop=loop,
+                            thinking=True) for i in range(2)]
+        s.submit(thinking)
+        normal = await run(s, GOOD)
+        times = {}
+
+        async def watch(r: Request):
+            while True:
+                event = await asyncio.wait_for(r.events.get(), 120)
+                times.setdefault((r.id, "first"), time.monotonic())
+                if event[0] != "tokens":
+                    times[(r.id, "end")] = time.monotonic()
+                    return event
+
+        ends = await asyncio.gather(*(watch(r) for r in thinking), outcome(normal))
+        return ends, times
+
+    try:
+        (first, second, normal), times = asyncio.run(main())
+        assert first[:2] == second[:2] == ("error", 504) and "time budget (2 s)" in first[2]
+        assert times[("think1", "first")] >= times[("think0", "end")]  # one thinking row at a time
+        assert normal == ("done", engine.reference)
+    finally:
+        s.stop()
