@@ -45,6 +45,22 @@ def scheduler(engine, max_engine_failures=3) -> Scheduler:
     return s
 
 
+def slow_scheduler(engine, cfg: ServeConfig, monkeypatch) -> Scheduler:
+    """A started scheduler over `engine` whose every step sleeps 50 ms first, so a deadline
+    passes however fast the machine decodes (a lower bound: nothing depends on slow decoding)."""
+    engine.reset_buffers()
+    step = engine.step
+
+    def slow_step(*args, **kwargs):
+        time.sleep(0.05)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "step", slow_step)
+    s = Scheduler(engine, cfg, Metrics())
+    s.start()
+    return s
+
+
 async def run(s: Scheduler, decode: DecodeConfig, prompt=PROMPT) -> Request:
     r = Request(id="t", prompt=list(prompt), decode=decode, loop=asyncio.get_running_loop())
     s.submit([r])
@@ -168,16 +184,8 @@ def test_deadlines_end_a_long_request_and_a_queued_one(engine, monkeypatch):
                       server=dataclasses.replace(ServerConfig(), max_batch_size=2, buffer_size=2,
                                                  steps_per_call=4, queue_timeout_ms=1000,
                                                  generation_timeout_ms=2500))
-    engine.reset_buffers()
     step = engine.step
-
-    def slow_step(*args, **kwargs):
-        time.sleep(0.05)
-        return step(*args, **kwargs)
-
-    monkeypatch.setattr(engine, "step", slow_step)
-    s = Scheduler(engine, cfg, Metrics())
-    s.start()
+    s = slow_scheduler(engine, cfg, monkeypatch)
 
     async def main():
         await until_ready(s)
@@ -221,16 +229,7 @@ def test_thinking_requests_keep_to_their_row_cap_and_time_budget(engine, monkeyp
                                                      thinking_timeout_ms=1500),
                       server=dataclasses.replace(ServerConfig(), max_batch_size=2, buffer_size=2,
                                                  steps_per_call=4))
-    engine.reset_buffers()
-    step = engine.step
-
-    def slow_step(*args, **kwargs):
-        time.sleep(0.05)
-        return step(*args, **kwargs)
-
-    monkeypatch.setattr(engine, "step", slow_step)
-    s = Scheduler(engine, cfg, Metrics())
-    s.start()
+    s = slow_scheduler(engine, cfg, monkeypatch)
 
     async def main():
         await until_ready(s)

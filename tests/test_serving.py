@@ -675,29 +675,35 @@ def test_the_info_log_has_every_request_one_start_and_no_noise(tmp_path):
     assert " absl: " not in text and "GET /ready" not in text and "GET /metrics" not in text
 
 
-def test_ctrl_c_during_warm_up_stops_at_once_and_is_never_ready(tmp_path):
-    """SIGINT while the warm-up compiles (no compile cache, prefill buckets up to 1024: many
-    programs): the process exits with 0 and the compile loop stops there. Judged by the log's
-    order, not by time: after "stopping during warm-up" no further program is announced (one at
-    most, when the engine thread was announcing it as the signal came), and the engine is never
-    ready."""
+def interrupted_while_compiling(tmp_path, at: str) -> tuple[subprocess.Popen, list[str]]:
+    """`mbd-jax serve` with many programs to compile (no compile cache, prefill buckets up to
+    1024), sent SIGINT at its first log line holding `at`: (the process, every line it logged)."""
     from tests.live_server import free_port
 
     (tmp_path / "serve.yaml").write_text(
         "model: tiny-test\nmonitoring:\n  log_level: info\ncache:\n  enabled: false\n"
-        "server:\n  prefill_chunk: 1024\n")
+        "server:\n  prefill_chunk: 1024\n  drain_min_s: 0\n")
     proc = subprocess.Popen(
         [sys.executable, "-m", "mbd_jax", "serve", "--config", str(tmp_path / "serve.yaml"),
          "--port", str(free_port()), "--admin-port", "0", "--compile-cache", "off"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "JAX_PLATFORMS": "cpu"})
     lines = []
-    for line in proc.stdout:  # until the warm-up has begun
+    for line in proc.stdout:
         lines.append(line)
-        if "warm-up: compiling prefill" in line:
+        if at in line:
             break
     proc.send_signal(signal.SIGINT)
-    lines += proc.stdout.readlines()
+    return proc, lines + proc.stdout.readlines()
+
+
+def test_ctrl_c_during_warm_up_stops_at_once_and_is_never_ready(tmp_path):
+    """SIGINT while the warm-up compiles (no compile cache, prefill buckets up to 1024: many
+    programs): the process exits with 0 and the compile loop stops there. Judged by the log's
+    order, not by time: after "stopping during warm-up" no further program is announced (one at
+    most, when the engine thread was announcing it as the signal came), and the engine is never
+    ready."""
+    proc, lines = interrupted_while_compiling(tmp_path, "warm-up: compiling prefill")
     text = "".join(lines)
     assert proc.wait(timeout=120) == 0, text
     assert "stopping during warm-up" in text, text
@@ -737,23 +743,8 @@ def test_ctrl_c_while_the_background_buckets_compile_exits_at_once(tmp_path):
     """SIGINT after /ready while the larger prefill buckets still compile (no compile cache,
     buckets up to 1024): the service drains and exits 0, and no further bucket is announced
     after the drain began (one at most, announced as the signal came)."""
-    from tests.live_server import free_port
-
-    (tmp_path / "serve.yaml").write_text(
-        "model: tiny-test\nmonitoring:\n  log_level: info\ncache:\n  enabled: false\n"
-        "server:\n  prefill_chunk: 1024\n  drain_min_s: 0\n")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mbd_jax", "serve", "--config", str(tmp_path / "serve.yaml"),
-         "--port", str(free_port()), "--admin-port", "0", "--compile-cache", "off"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    lines = []
-    for line in proc.stdout:  # until ready (the background compiles have begun by then)
-        lines.append(line)
-        if "engine ready" in line:
-            break
-    proc.send_signal(signal.SIGINT)
-    lines += proc.stdout.readlines()
+    # at ready the background compiles have begun
+    proc, lines = interrupted_while_compiling(tmp_path, "engine ready")
     text = "".join(lines)
     assert proc.wait(timeout=120) == 0, text
     assert "engine ready" in text and "draining" in text, text
