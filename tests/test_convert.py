@@ -289,7 +289,8 @@ def test_llada2_moe_layer_matches_transformers_deepseek_v3(llada):
     x = torch.randn(2, 9, c["hidden_size"], generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         want = ref(x).numpy()
-    got = MoE(loaded.cfg).apply({"params": layout.to_canonical(loaded.params, loaded.cfg)["layer_1"]["moe"]}, jnp.asarray(x.numpy()))
+    positions = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))
+    got = MoE(loaded.cfg).apply({"params": layout.to_canonical(loaded.params, loaded.cfg)["layer_1"]["moe"]}, jnp.asarray(x.numpy()), positions)
     assert np.abs(want).max() > 0.1
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
 

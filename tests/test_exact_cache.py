@@ -16,14 +16,19 @@ TOL = 1e-5  # float32; the two paths differ only in summation order
 
 # row_prefill_min 8: prompt chunks of 8 or 16 tokens run over their own cache row, the 4-token
 # ones share a call over all rows (both kinds in one admission); 64: every chunk is shared.
-@pytest.mark.parametrize("router,attention,moe_impl,loop,row_prefill_min", [
-    ("sigmoid_grouped", "chunked", "dense", "unrolled", 8),
-    ("softmax_topk", "chunked", "ragged", "unrolled", 64),
-    ("sigmoid_grouped", "dense", "ragged", "unrolled", 8),
-    ("softmax_topk", "chunked", "dense", "scan", 8),
+# pool: block routing (router_block_pool experts per window of a block; 0: off): each block's
+# pool depends on its own tokens only, so the block-by-block path still equals the full forward.
+@pytest.mark.parametrize("router,attention,moe_impl,loop,row_prefill_min,pool", [
+    ("sigmoid_grouped", "chunked", "dense", "unrolled", 8, 0),
+    ("softmax_topk", "chunked", "ragged", "unrolled", 64, 0),
+    ("sigmoid_grouped", "dense", "ragged", "unrolled", 8, 0),
+    ("softmax_topk", "chunked", "dense", "scan", 8, 0),
+    ("sigmoid_grouped", "chunked", "looped", "unrolled", 8, 3),
+    ("softmax_topk", "chunked", "tiled", "scan", 64, 4),
 ])
-def test_buffer_path_equals_full_forward(router, attention, moe_impl, loop, row_prefill_min):
-    overrides = dict(router=router, attention_impl=attention, moe_impl=moe_impl, layer_loop=loop)
+def test_buffer_path_equals_full_forward(router, attention, moe_impl, loop, row_prefill_min, pool):
+    overrides = dict(router=router, attention_impl=attention, moe_impl=moe_impl, layer_loop=loop,
+                     router_block_pool=pool)
     cfg, params = tiny_cfg(**overrides), tiny_params(**overrides)
     if router == "sigmoid_grouped":  # make the selection-only bias matter
         params = jax.tree.map(lambda x: x, params)

@@ -115,6 +115,12 @@ class ModelConfig:
     n_group: int = 1  # sigmoid_grouped: experts are split into n_group groups ...
     topk_group: int = 1  # ... and only the best topk_group groups may be chosen
     routed_scaling_factor: float = 1.0
+    # Block routing (LLaDA2.2): per window of this many consecutive positions of a sequence
+    # (0: block_size), each expert scores its best token there; the top router_block_pool
+    # experts are the window's pool, and every token takes its top-k inside it (0: off; on, it
+    # takes the place of the n_group / topk_group rule).
+    router_block_pool: int = 0
+    router_block_window: int = 0
     moe_impl: MoeImpl = "auto"
     # Attention.
     rope_theta: float = 10000.0
@@ -197,6 +203,13 @@ class ModelConfig:
                    f"field 'n_group' ({self.n_group}) must divide num_experts ({self.num_experts})")
             _check(1 <= self.topk_group <= self.n_group, where,
                    f"field 'topk_group' must be in [1, n_group={self.n_group}]")
+            _check(self.router_block_pool == 0
+                   or self.num_experts_per_tok <= self.router_block_pool <= self.num_experts,
+                   where, f"field 'router_block_pool' must be 0 (off) or in "
+                          f"[num_experts_per_tok={self.num_experts_per_tok}, "
+                          f"num_experts={self.num_experts}]")
+            _check(self.router_block_window >= 0, where,
+                   "field 'router_block_window' must be >= 0 (0: block_size)")
             if self.router == "sigmoid_grouped":
                 per_group = self.num_experts // self.n_group
                 _check(per_group >= 2 or self.n_group == 1, where,

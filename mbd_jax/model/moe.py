@@ -43,10 +43,31 @@ def cast(w: Experts, dtype) -> Experts:
     return tuple(v.astype(dtype) for v in w) if isinstance(w, tuple) else w.astype(dtype)
 
 
+def block_pools(choice: jax.Array, positions: jax.Array, window: int, pool: int) -> jax.Array:
+    """Block routing (LLaDA2.2): which experts each token may take. A row's tokens fall in
+    windows of `window` consecutive positions (a new window also where positions restart: a
+    second copy of a block); each expert scores its best token in the window, and the `pool`
+    best experts are the window's pool. Rows never share a window.
+    choice: [B, T, E] selection scores; positions: [B, T] -> allowed [B * T, E] bool."""
+    b, t, e = choice.shape
+    blk = positions // window
+    new = jnp.concatenate([jnp.ones((b, 1), bool), (blk[:, 1:] != blk[:, :-1])
+                           | (positions[:, 1:] <= positions[:, :-1])], axis=1)
+    seg = (jnp.cumsum(new, axis=1) - 1 + jnp.arange(b)[:, None] * t).reshape(-1)  # [N]
+    best = jax.ops.segment_max(choice.reshape(b * t, e), seg, num_segments=b * t)  # [S, E]
+    _, members = jax.lax.top_k(best, pool)  # [S, pool]
+    in_pool = jnp.zeros((b * t, e), bool).at[jnp.arange(b * t)[:, None], members].set(True)
+    return in_pool[seg]
+
+
 def route_softmax_topk(logits: jax.Array, k: int, norm_topk_prob: bool,
-                       scaling: float = 1.0) -> tuple[jax.Array, jax.Array]:
-    """Qwen3-MoE routing. logits: [N, E] float32 -> (expert ids [N, k], weights [N, k] float32)."""
+                       scaling: float = 1.0, allowed: jax.Array | None = None
+                       ) -> tuple[jax.Array, jax.Array]:
+    """Qwen3-MoE routing. logits: [N, E] float32 -> (expert ids [N, k], weights [N, k] float32);
+    `allowed` [N, E]: the experts each token may take (block_pools; None: all)."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    if allowed is not None:
+        probs = jnp.where(allowed, probs, 0.0)
     weights, ids = jax.lax.top_k(probs, k)
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -54,19 +75,24 @@ def route_softmax_topk(logits: jax.Array, k: int, norm_topk_prob: bool,
 
 
 def route_sigmoid_grouped(logits: jax.Array, bias: jax.Array, k: int, n_group: int,
-                          topk_group: int, norm_topk_prob: bool,
-                          scaling: float) -> tuple[jax.Array, jax.Array]:
+                          topk_group: int, norm_topk_prob: bool, scaling: float,
+                          allowed: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """LLaDA2 / DeepSeek-V3 routing.
 
     s = sigmoid(logits); selection uses s + bias: each group scores the sum of its top-2, only the
     best `topk_group` groups stay eligible, and the top-k eligible experts are chosen. The weights
     are the unbiased s of the chosen experts, optionally normalised to sum 1, times `scaling`.
-    logits: [N, E]; bias: [E]. Returns (ids [N, k], weights [N, k] float32).
+    logits: [N, E]; bias: [E]; `allowed` [N, E]: the experts each token may take (block_pools,
+    from the same selection scores; None: all), in place of the group rule (a pool holds at
+    least k experts; a group rule inside it could leave fewer).
+    Returns (ids [N, k], weights [N, k] float32).
     """
     n, e = logits.shape
     scores = jax.nn.sigmoid(logits.astype(jnp.float32))
-    choice = scores + bias.astype(jnp.float32)[None, :]
-    if n_group > 1:
+    choice = selection_scores(logits, bias)
+    if allowed is not None:
+        choice = jnp.where(allowed, choice, -jnp.inf)
+    elif n_group > 1:
         grouped = choice.reshape(n, n_group, e // n_group)
         group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [N, n_group]
         _, top_groups = jax.lax.top_k(group_score, topk_group)  # [N, topk_group]
@@ -78,6 +104,11 @@ def route_sigmoid_grouped(logits: jax.Array, bias: jax.Array, k: int, n_group: i
     if norm_topk_prob:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     return ids, weights * scaling
+
+
+def selection_scores(logits: jax.Array, bias: jax.Array) -> jax.Array:
+    """What sigmoid_grouped routing selects by: sigmoid(logits) + bias (float32)."""
+    return jax.nn.sigmoid(logits.astype(jnp.float32)) + bias.astype(jnp.float32)
 
 
 def expert_load(ids: jax.Array, num_experts: int) -> jax.Array:

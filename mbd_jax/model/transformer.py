@@ -58,21 +58,29 @@ class MoE(nn.Module):
     mesh: Mesh | None = None
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, positions):  # x: [B, T, D]; positions: [B, T]
         cfg, dt = self.cfg, jnp.dtype(self.cfg.compute_dtype)
         d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         b, t, _ = x.shape
         tokens = x.reshape(b * t, d)  # [N, D]
         w_router = param(self, "router", (d, e), ("embed", "expert"), NORMAL)
         logits = tokens.astype(jnp.float32) @ w_router.astype(jnp.float32)  # router in float32
+        bias = None if cfg.router == "softmax_topk" else param(
+            self, "expert_bias", (e,), ("expert",), nn.initializers.zeros)
+        allowed = None  # block routing: each window's pool of experts
+        if cfg.router_block_pool:
+            choice = logits if bias is None else moe.selection_scores(logits, bias)
+            allowed = moe.block_pools(choice.reshape(b, t, e), positions,
+                                      cfg.router_block_window or cfg.block_size,
+                                      cfg.router_block_pool)
         if cfg.router == "softmax_topk":
             ids, weights = moe.route_softmax_topk(logits, cfg.num_experts_per_tok,
-                                                  cfg.norm_topk_prob, cfg.routed_scaling_factor)
+                                                  cfg.norm_topk_prob, cfg.routed_scaling_factor,
+                                                  allowed)
         else:
-            bias = param(self, "expert_bias", (e,), ("expert",), nn.initializers.zeros)
             ids, weights = moe.route_sigmoid_grouped(
                 logits, bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
-                cfg.norm_topk_prob, cfg.routed_scaling_factor)
+                cfg.norm_topk_prob, cfg.routed_scaling_factor, allowed)
             # tokens routed to each expert, for the trainer's bias update (kept only when the
             # caller makes "intermediates" mutable: training; decoding never does)
             self.sow("intermediates", "expert_load", moe.expert_load(ids, e),
@@ -118,7 +126,7 @@ class DecoderLayer(nn.Module):
         x = x + mixed
         h = layers.rms_norm(x, norm("post_attn_norm"), cfg.rms_norm_eps)
         if cfg.is_moe_layer(self.index):
-            x = x + MoE(cfg, self.mesh, name="moe")(h)
+            x = x + MoE(cfg, self.mesh, name="moe")(h, meta.positions)
         else:
             x = x + DenseMLP(cfg, cfg.intermediate_size, name="mlp")(h)
         return (x, cache), None
