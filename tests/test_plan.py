@@ -103,6 +103,28 @@ def test_the_modelled_step_reads_the_experts_uniform_routing_hits():
         assert step["bytes_read_per_device"] == pytest.approx(want, rel=0.02), tokens
 
 
+def test_block_routing_reads_the_experts_its_pools_hold():
+    """With LLaDA2.2's block routing (48 of 256 experts per 32-token window) the modelled step
+    reads a simulation's share of distinct experts: windows each picking a pool of 48 at
+    random, the tokens inside it. One 32-token block reads 19% of the routed experts, not 64%."""
+    import dataclasses
+
+    from mbd_jax import plan as planner
+
+    cfg = dataclasses.replace(load_model_config(MODEL_PRESET_DIR / "llada2-mini.yaml"),
+                              router_block_pool=48)
+    rng = np.random.default_rng(0)
+    for rows, tokens in ((1, 32), (1, 64), (8, 64), (16, 32)):
+        windows = rows * tokens // cfg.block_size
+        shares = [len(np.unique(np.concatenate([rng.permuted(np.arange(256))[:48]
+                                                for _ in range(windows)]))) / 256
+                  for _ in range(50)]
+        assert planner.experts_hit(cfg, rows, tokens) == pytest.approx(np.mean(shares), rel=0.03)
+    plain = dataclasses.replace(cfg, router_block_pool=0)
+    assert planner.experts_hit(cfg, 1, 32) == pytest.approx(48 / 256)
+    assert planner.experts_hit(plain, 1, 32) == pytest.approx(0.637, abs=0.001)
+
+
 def test_llada2_mini_compiles_for_two_h100s():
     """The H100 target compiles a real model (under XLA's exact H100 name, compile-only machines
     failed with "Error loading CUDA libraries": configs/gpu-targets/h100_sxm.txtpb), and fits:
