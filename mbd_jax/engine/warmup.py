@@ -47,7 +47,10 @@ def warmup(engine, progress: Callable[[str], None] | None = None,
     zeros_b, pads = np.zeros(b, np.int32), engine.blank_rows()[0]
     if cfg.moe_impl == "measure" and cfg.num_experts > 0:
         choose_expert_paths(engine, say)  # before the prefill buckets: they follow its choice
-    later: list[int] = []
+    if engine.background is not None:  # warmed up again: the earlier thread stops first
+        engine.background.stop(timeout=60.0)
+        engine.background = None
+    engine.prefill_ready, later = engine.prefill_chunk, []
     if buckets is None:
         buckets = prefill_buckets(cfg.block_size, engine.prefill_chunk)
         if background and jax.process_count() == 1:  # several: every process compiles in step
