@@ -268,3 +268,40 @@ def test_sharded_hybrid_generates_the_same_tokens():
     assert sharded["tokens"] == one["tokens"] and any(len(t) > 4 for t in one["tokens"])
     assert one["state_local"] == [2, 4, 16, 8] and sharded["state_local"] == [2, 2, 16, 8]
     assert one["v_proj_local"] == [64, 4, 8] and sharded["v_proj_local"] == [64, 2, 8]
+
+
+VOCAB_COLLECTIVES = textwrap.dedent("""
+    import json, re
+    from mbd_jax.engine import deviceless
+    from mbd_jax.parallel import mesh as meshlib
+    from tests.conftest import tiny_cfg
+    cfg = tiny_cfg()
+    mesh = meshlib.make_mesh({"data": 1, "expert": 1, "tensor": 2})
+    shape = deviceless.EngineShape(batch_size=2, buffer_size=2, prefill_chunk=16)
+    text = deviceless.compile_engine(cfg, mesh, shape)["decode"].compiled.as_text()
+    out = []
+    for line in text.splitlines():
+        m = re.search(r"= (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all|"
+                      r"collective-permute)\\(", line)
+        if m:
+            dims = [int(d) for s in re.findall(r"\\[([\\d,]*)\\]", m.group(1))
+                    for d in s.split(",") if d]
+            op = re.search(r'op_name="([^"]*)"', line)
+            out.append({"kind": m.group(2), "dims": dims, "op": op.group(1) if op else ""})
+    print(json.dumps({"vocab": cfg.vocab_size, "collectives": out}))
+""")
+
+
+def test_the_vocabulary_never_leaves_its_tensor_shard_unless_top_k_or_top_p_asks():
+    """The decode program on a tensor=2 mesh (the LM head's vocabulary split in two): greedy
+    argmax, the confidences (log-softmax) and plain temperature sampling (Gumbel-max) reduce over
+    the vocabulary shard by shard, moving [rows, window]-sized values; the only collectives that
+    carry a whole vocabulary row are in the top-k / top-p truncation (its sort and cumulative
+    sum), compiled in a branch that runs only when some row asks for it."""
+    got = run_on_8_cpu_devices(VOCAB_COLLECTIVES)
+    vocab, collectives = got["vocab"], got["collectives"]
+    full = [c for c in collectives if vocab in c["dims"]]
+    assert full and all("cumsum" in c["op"] or "sort" in c["op"] for c in full), full
+    # the reductions do cross the shards: small all-reduces of the softmax's max and sum
+    assert any(c["kind"] == "all-reduce" and c["dims"][:2] == [2, 16] and "softmax" in c["op"]
+               for c in collectives), collectives

@@ -44,7 +44,11 @@ def predict(logits: jax.Array, mask_token_id: int, temperature: jax.Array, top_k
 
     def sample():
         scaled = logits / jnp.maximum(temperature, 1e-6)[:, None, None]
-        scaled = _truncate(scaled, top_k, top_p)
+        # top-k / top-p sort the whole vocabulary: only when some row asks. Plain temperature
+        # sampling draws by Gumbel-max, reductions over the vocabulary only, so logits split
+        # over tensor shards stay there (tests/test_mesh.py checks the compiled program).
+        truncate = jnp.any((top_k > 0) | (top_p < 1.0))
+        scaled = jax.lax.cond(truncate, lambda: _truncate(scaled, top_k, top_p), lambda: scaled)
         drawn = jax.vmap(lambda k, lg: jax.random.categorical(k, lg, axis=-1))(keys, scaled)
         return jnp.where((temperature > 0)[:, None], drawn.astype(jnp.int32), greedy)
 
