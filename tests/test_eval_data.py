@@ -88,11 +88,16 @@ def test_a_dataset_of_the_built_in_questions_scores_as_the_built_in_split(tmp_pa
                                                             split.nfe)
     assert mine.correct >= 7 and mine.format == "dataset:exact"
     arith = [{"prompt": "What is 12+30?", "answer": 42}, {"prompt": "What is 5+7?", "answer": "12"}]
+    # the raw replies are "Answer: 12+30=42" and "Answer: 5+7=12": right by their last number,
+    # wrong by exact match, and a pattern finds 42 where 43 is not found
     numbers = evaluate_dataset(model, write(tmp_path / "arith.jsonl", arith), decode, "number")
-    assert numbers.n == 2 and 0 <= numbers.correct <= 2
+    assert (numbers.n, numbers.correct) == (2, 2)
+    exact = evaluate_dataset(model, write(tmp_path / "arith.jsonl", arith), decode, "exact")
+    assert exact.correct == 0 and exact.wrong[0]["got"].strip() == "Answer: 12+30=42"
     regex = evaluate_dataset(model, write(tmp_path / "arith2.jsonl", [
-        {"prompt": "What is 12+30?", "answer": r"4\d"}]), decode, "regex")
-    assert regex.n == 1
+        {"prompt": "What is 12+30?", "answer": r"=42\b"},
+        {"prompt": "What is 12+30?", "answer": r"=43\b"}]), decode, "regex")
+    assert (regex.n, regex.correct) == (2, 1)
 
 
 def test_the_eval_command_reports_per_file(tmp_path):

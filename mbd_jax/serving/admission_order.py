@@ -42,6 +42,8 @@ def offer(normal: Sequence[Waiting], thinking: Sequence[Waiting], free: int, thi
     """At most `free` requests (`thinking_room` of them thinking) for the engine to admit, in
     the order it should try them. `normal` and `thinking` are the queues (any iterables, such
     as deques), oldest first."""
+    if free <= 0:  # no row to fill: nothing to order (the engine steps its running rows)
+        return []
     if cfg.type == "fifo":
         return list(normal)[:free] + list(thinking)[: max(0, min(thinking_room, free))]
     waiting = sorted([*normal, *thinking], key=lambda r: r.arrived)

@@ -224,7 +224,9 @@ class Gate:
         rate = caller.key.requests_per_s if caller.key and caller.key.requests_per_s else \
             self.server.rate_limit_per_s
         if rate > 0:
-            bucket = self._rates.setdefault(rate, TokenBucket(rate, self.server.rate_limit_burst))
+            bucket = self._rates.get(rate)
+            if bucket is None:  # one bucket per distinct rate, made once
+                bucket = self._rates[rate] = TokenBucket(rate, self.server.rate_limit_burst)
             wait = bucket.take(caller.id)
             if wait > 0:
                 whose = f"key '{caller.id}'" if caller.key else "this client"
