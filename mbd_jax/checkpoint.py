@@ -200,12 +200,15 @@ def load_model(model: str, *, with_weights: bool = True, random_weights: bool = 
     the first device). `random_weights`: initialise from the seed whatever the config says (benches
     of shape-only presets); `with_weights=False`: the config and tokenizer only. `runtime`:
     overrides of config.RUNTIME_FIELDS (moe_impl, attention_impl, ...), applied after the model
-    directory's files passed their checksums."""
-    from mbd_jax.model.transformer import init_params
+    directory's files passed their checksums; `runtime` quantization of a float model quantizes its
+    weights as they load (each device its own shards)."""
+    from mbd_jax.model import sharding
+    from mbd_jax.model.quantize import quantize_tree
+    from mbd_jax.model.transformer import init_params, param_shapes
 
     config_path = resolve_model_path(model)
-    cfg = load_model_config(config_path)
-    cfg = with_runtime(cfg, runtime, where=f"model {model} runtime settings")
+    stored = load_model_config(config_path)
+    cfg = with_runtime(stored, runtime, where=f"model {model} runtime settings")
     mesh = mesh if mesh is not None else meshlib.single_device_mesh()
     params = None
     if with_weights:
@@ -214,7 +217,11 @@ def load_model(model: str, *, with_weights: bool = True, random_weights: bool = 
         elif cfg.init == "checkpoint":
             if (config_path.parent / "manifest.json").is_file():  # check every file
                 verify_manifest(config_path.parent)
-            params = _restore_params(config_path.parent, cfg, mesh)
+            as_stored = dataclasses.replace(cfg, quantization=stored.quantization)
+            params = _restore_params(config_path.parent, as_stored, mesh)
+            if cfg.quantization != stored.quantization:  # a float model quantized as it loads
+                params = quantize_tree(params, param_shapes(cfg),
+                                       sharding.param_shardings(cfg, mesh))
         else:
             raise ConfigError(
                 f"model {model}: {config_path.name} describes a shape only (init: none); convert a "

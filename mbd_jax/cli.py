@@ -89,7 +89,8 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     without editing it (its checksum covers it)."""
     import typing
 
-    from mbd_jax.config import AUTO, MEASURED, AttentionImpl, DType, LayerLoop, MoeImpl
+    from mbd_jax.config import (AUTO, MEASURED, AttentionImpl, DType, LayerLoop, MoeImpl,
+                                Quantization)
 
     def auto(field: str) -> str:
         table = AUTO[field]
@@ -109,6 +110,9 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--layer-loop", choices=typing.get_args(LayerLoop),
                    help="scan: one compiled layer per run of identical layers; " + auto("layer_loop"))
     g.add_argument("--compute-dtype", choices=typing.get_args(DType))
+    g.add_argument("--quantize", dest="quantization", choices=typing.get_args(Quantization),
+                   help="quantize a float model's weight matrices as it loads (8 bits, a scale "
+                        "per output channel)")
     g.add_argument("--max-model-len", dest="max_seq_len", type=int,
                    help="context length to serve (at most the model's; a smaller KV buffer; a "
                         "multiple of the block size)")
@@ -301,9 +305,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from mbd_jax.convert import convert
 
-    manifest = convert(args.src, args.dst, family=args.family, dtype=args.dtype,
-                       mask_token_id=args.mask_token_id, block_size=args.block_size,
-                       block_mode=args.block_mode)
+    from mbd_jax.quantized_copy import is_model_dir, quantized_copy
+
+    if is_model_dir(pathlib.Path(args.src)):
+        if args.quantize == "none":
+            raise UserError(f"--src {args.src}: is an mbd-jax model directory already; give "
+                            "--quantize to write a quantized copy of it")
+        manifest = quantized_copy(args.src, args.dst, args.quantize)
+    else:
+        manifest = convert(args.src, args.dst, family=args.family, dtype=args.dtype,
+                           mask_token_id=args.mask_token_id, block_size=args.block_size,
+                           block_mode=args.block_mode, quantization=args.quantize)
     print(json.dumps({k: v for k, v in manifest.items() if k != "files"}))
     return 0
 
@@ -384,24 +396,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def add_convert_args(c: argparse.ArgumentParser) -> None:
-    c.add_argument("--src", required=True, help="Hugging Face checkpoint directory")
-    c.add_argument("--dst", required=True, help="output model directory")
+    import typing
+
+    from mbd_jax.config import BlockMode, Quantization
     from mbd_jax.convert import FAMILIES
 
+    c.add_argument("--src", required=True, help="Hugging Face checkpoint directory (or an "
+                                                 "mbd-jax model directory, with --quantize)")
+    c.add_argument("--dst", required=True, help="output model directory")
     c.add_argument("--family", default="auto", choices=["auto", *FAMILIES],
                    help="model family (default: auto, from config.json)")
     c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="parameter dtype (default: bfloat16), also written as the compute dtype "
                         "(override at load with --compute-dtype)")
+    c.add_argument("--quantize", choices=typing.get_args(Quantization), default="none",
+                   help="store the weight matrices in 8 bits with a scale per output channel "
+                        "(int8, or fp8 e4m3; embeddings, norms and routers stay in --dtype)")
     c.add_argument("--mask-token-id", type=int,
                    help="the mask token (default: from config.json or the tokenizer)")
     c.add_argument("--block-size", type=int,
                    help="the model's diffusion block size (default: config.json's block_size / "
                         "block_length; required when it states none)")
-    import typing
-
-    from mbd_jax.config import BlockMode
-
     c.add_argument("--block-mode", choices=typing.get_args(BlockMode),
                    help="how a hybrid model's linear-attention layers read inside a block "
                         "(default: config.json's block_mode; required for a hybrid when it states "

@@ -469,11 +469,16 @@ def source_block_size(hf: dict, given: int | None) -> int:
 def convert(src: str | pathlib.Path, dst: str | pathlib.Path, *, family: str = "auto",
             dtype: str = "bfloat16", mask_token_id: int | None = None,
             block_size: int | None = None, block_mode: str | None = None,
-            progress: bool = True) -> dict[str, Any]:
+            quantization: str = "none", progress: bool = True) -> dict[str, Any]:
     """Converts a Hugging Face checkpoint directory; returns the manifest. `dtype` is the
-    parameters' and the compute dtype (change compute_dtype at load with --compute-dtype)."""
+    parameters' and the compute dtype (change compute_dtype at load with --compute-dtype);
+    `quantization` stores the weight matrices in 8 bits (model/quantize.py)."""
     import jax
     import ml_dtypes
+
+    from mbd_jax.model import layout
+    from mbd_jax.model.quantize import quantize_tree
+    from mbd_jax.model.transformer import param_shapes
 
     src, dst = pathlib.Path(src), pathlib.Path(dst)
     family, cfg = _source_config(src, family, dtype, mask_token_id, block_size, block_mode)
@@ -482,12 +487,16 @@ def convert(src: str | pathlib.Path, dst: str | pathlib.Path, *, family: str = "
     t0 = time.perf_counter()
     params = _read_params(source, cfg, family, np_dtype, progress)
     read_s = time.perf_counter() - t0
+    n_params = int(sum(a.size for a in jax.tree.leaves(params)))
     cfg = _write_beside(src, dst, cfg)
+    if quantization != "none":
+        cfg = dataclasses.replace(cfg, quantization=quantization)
+        params = quantize_tree(params, param_shapes(layout.canonical(cfg)))
     _to_device_in_place(params)  # orbax would otherwise copy every numpy leaf at once
     save_model(dst, cfg, params, canonical=True)
     return write_manifest(dst, {
         "converter_version": CONVERTER_VERSION, "source": str(src.resolve()), "family": family,
-        "dtype": dtype, "parameters": int(sum(a.size for a in jax.tree.leaves(params))),
+        "dtype": dtype, "quantization": quantization, "parameters": n_params,
         "seconds_reading": round(read_s, 3), "source_bytes": source.nbytes()})
 
 

@@ -9,7 +9,8 @@ from mbd_jax.config.decoding import (BlockActivation, DecodeConfig, EditConfirm,
                                      decode_config)
 from mbd_jax.config.fields import config_dict, from_dict, load_yaml
 from mbd_jax.config.model import (RUNTIME_FIELDS, AttentionImpl, BlockMode, DType, LayerLoop,
-                                  LayerType, ModelConfig, MoeImpl, Platform, RopeScaling, RopeType,
+                                  LayerType, ModelConfig, MoeImpl, Platform, Quantization,
+                                  RopeScaling, RopeType,
                                   RouterType, RuntimeConfig, SequenceModule, load_model_config,
                                   load_model_yaml, with_runtime)
 from mbd_jax.config.paths import (DATA_ROOT, IN_CHECKOUT, MODEL_PRESET_DIR, REPO_ROOT,
@@ -27,7 +28,8 @@ __all__ = [
     "VoteExtractor", "VoteWeighting", "VotingConfig", "decode_config",
     "config_dict", "from_dict", "load_yaml",
     "RUNTIME_FIELDS", "AttentionImpl", "BlockMode", "DType", "LayerLoop", "LayerType",
-    "ModelConfig", "MoeImpl", "Platform", "RopeScaling", "RopeType", "RouterType", "RuntimeConfig",
+    "ModelConfig", "MoeImpl", "Platform", "Quantization", "RopeScaling", "RopeType", "RouterType",
+    "RuntimeConfig",
     "SequenceModule", "load_model_config", "load_model_yaml", "with_runtime",
     "DATA_ROOT", "IN_CHECKOUT", "MODEL_PRESET_DIR", "REPO_ROOT", "SHIPPED_MODEL_DIR",
     "available_presets", "latest_version", "model_version", "resolve_model_path",

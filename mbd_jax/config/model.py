@@ -21,6 +21,9 @@ AttentionImpl = Literal["chunked", "dense", "pallas"]
 LayerLoop = Literal["auto", "scan", "unrolled"]
 
 DType = Literal["float32", "bfloat16", "float16"]
+# How the weight matrices are stored: in the param dtype, or in 8 bits with a scale per output
+# channel (model/quantize.py: int8, fp8 = e4m3).
+Quantization = Literal["none", "int8", "fp8"]
 # What mixes tokens in a layer: softmax attention over the KV cache, or a gated delta rule over a
 # recurrent state (SequenceModule below).
 LayerType = Literal["full_attention", "linear_attention"]
@@ -147,8 +150,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
     # Numerics.
-    param_dtype: DType = "float32"
+    param_dtype: DType = "float32"  # every parameter but the quantized weights
     compute_dtype: DType = "float32"
+    quantization: Quantization = "none"
     # The platform the programs are built for ("cpu", "gpu", "tpu"): what `auto` settings stand for
     # (config/backend.py). None: the first device's. An engine sets it from its mesh's devices,
     # so a CPU host compiling for a GPU topology traces the GPU program.
@@ -249,6 +253,8 @@ class RuntimeConfig:
     attention_chunk: int | None = None
     layer_loop: LayerLoop | None = None
     compute_dtype: DType | None = None
+    # quantize a float model's weights as it loads (a model stored quantized keeps its scheme)
+    quantization: Quantization | None = None
     max_seq_len: int | None = None  # serve a shorter context than the model's (a smaller KV buffer)
 
     def validate(self, where: str = "runtime") -> None:
@@ -270,6 +276,11 @@ def with_runtime(cfg: ModelConfig, overrides: dict[str, Any] | None, where: str)
                           f"settings: {', '.join(RUNTIME_FIELDS)}")
     if not overrides:
         return cfg
+    wanted = overrides.get("quantization", cfg.quantization)
+    if cfg.quantization != "none" and wanted != cfg.quantization:
+        raise ConfigError(f"{where}: quantization {overrides['quantization']}: the model's weights "
+                          f"are stored quantized ({cfg.quantization}); only a float model is "
+                          "quantized at load")
     if overrides.get("max_seq_len", 0) > cfg.max_seq_len:
         raise ConfigError(f"{where}: max_seq_len {overrides['max_seq_len']} exceeds the model's "
                           f"{cfg.max_seq_len}")

@@ -19,7 +19,7 @@ from mbd_jax.errors import UserError
 from mbd_jax.model import layers, paged_attention_kernel, rope
 from mbd_jax.model.forward_meta import ForwardMeta
 from mbd_jax.model.paged_kv import PagedKV
-from mbd_jax.model.params import NORMAL, norm_weight, param
+from mbd_jax.model.params import norm_weight, weight
 from mbd_jax.parallel.attention import sharded_attention
 
 
@@ -34,10 +34,10 @@ class Attention(nn.Module):
         cfg = self.cfg
         dt = jnp.dtype(cfg.compute_dtype)
         d, h, kh, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        wq = param(self, "q_proj", (d, h, dh), ("embed", "heads", "head_dim"), NORMAL)
-        wk = param(self, "k_proj", (d, kh, dh), ("embed", "kv_heads", "head_dim"), NORMAL)
-        wv = param(self, "v_proj", (d, kh, dh), ("embed", "kv_heads", "head_dim"), NORMAL)
-        wo = param(self, "o_proj", (h, dh, d), ("heads", "head_dim", "embed"), NORMAL)
+        wq = weight(self, "q_proj", (d, h, dh), ("embed", "heads", "head_dim"), (0,))
+        wk = weight(self, "k_proj", (d, kh, dh), ("embed", "kv_heads", "head_dim"), (0,))
+        wv = weight(self, "v_proj", (d, kh, dh), ("embed", "kv_heads", "head_dim"), (0,))
+        wo = weight(self, "o_proj", (h, dh, d), ("heads", "head_dim", "embed"), (0, 1))
         q = jnp.einsum("btd,dhk->bthk", x, wq.astype(dt))  # [B, T, H, Dh]
         k = jnp.einsum("btd,dhk->bthk", x, wk.astype(dt))  # [B, T, K, Dh]
         v = jnp.einsum("btd,dhk->bthk", x, wv.astype(dt))
@@ -64,7 +64,7 @@ class Attention(nn.Module):
                                                       meta.visible_len, cfg.block_size)
                 out = layers.dense_attention(q, k_all.astype(dt), v_all.astype(dt), visible)
         if cfg.attention_output_gate:  # each head's output scaled by its own sigmoid gate
-            wg = param(self, "gate_proj", (d, h, dh), ("embed", "heads", "head_dim"), NORMAL)
+            wg = weight(self, "gate_proj", (d, h, dh), ("embed", "heads", "head_dim"), (0,))
             out = out * jax.nn.sigmoid(jnp.einsum("btd,dhk->bthk", x, wg.astype(dt)))
         return jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), kv
 

@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from mbd_jax.config import ModelConfig, resolve_auto
 from mbd_jax.model import delta_rule
 from mbd_jax.model.forward_meta import ForwardMeta, group_starts
-from mbd_jax.model.params import NORMAL, param
+from mbd_jax.model.params import NORMAL, param, weight
 from mbd_jax.model.recurrent_state import RecurrentState
 
 
@@ -118,13 +118,13 @@ class GatedDeltaNet(nn.Module):
         b, t, _ = x.shape
 
         def proj(name, heads, dim):  # x @ W: [B, T, heads, dim]
-            w = param(self, name, (d, heads, dim), ("embed", "heads", "head_dim"), NORMAL)
+            w = weight(self, name, (d, heads, dim), ("embed", "heads", "head_dim"), (0,))
             return jnp.einsum("btd,dhk->bthk", x, w.astype(dt))
 
         q, k, v, z = proj("q_proj", hk, dk), proj("k_proj", hk, dk), proj("v_proj", hv, dv), \
             proj("z_proj", hv, dv)
-        w_b = param(self, "b_proj", (d, hv), ("embed", "heads"), NORMAL)
-        w_a = param(self, "a_proj", (d, hv), ("embed", "heads"), NORMAL)
+        w_b = weight(self, "b_proj", (d, hv), ("embed", "heads"), (0,))
+        w_a = weight(self, "a_proj", (d, hv), ("embed", "heads"), (0,))
         beta = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", x, w_b.astype(dt)).astype(jnp.float32))
         a = jnp.einsum("btd,dh->bth", x, w_a.astype(dt)).astype(jnp.float32)
         a_log = param(self, "A_log", (hv,), ("heads",), nn.initializers.zeros)
@@ -136,7 +136,7 @@ class GatedDeltaNet(nn.Module):
                       NORMAL) for s, heads, dim in (("q", hk, dk), ("k", hk, dk), ("v", hv, dv))]
         channels = jnp.concatenate([q.reshape(b, t, -1), k.reshape(b, t, -1), v.reshape(b, t, -1)],
                                    axis=-1)  # [B, T, C]
-        weight = jnp.concatenate([w.reshape(sm.conv_kernel, -1) for w in conv], axis=-1).T
+        taps = jnp.concatenate([w.reshape(sm.conv_kernel, -1) for w in conv], axis=-1).T
         state = jnp.zeros((b, hv, dk, dv), jnp.float32)  # a sequence's start
         tail = jnp.zeros((b, sm.conv_kernel - 1, channels.shape[-1]), dt)
         if cache is not None:  # each row's, after its committed positions (none: zeros)
@@ -147,9 +147,9 @@ class GatedDeltaNet(nn.Module):
             tail = jnp.where(fresh, tail, cached_tail.astype(dt))
         dual = cache is None and meta.groups is not None  # the trainer's [noisy ; clean] rows
         if dual:
-            mixed = _dual_stream_conv(channels, weight, meta.groups, cfg.block_size)
+            mixed = _dual_stream_conv(channels, taps, meta.groups, cfg.block_size)
         else:
-            mixed, _ = delta_rule.causal_conv1d(channels, weight, tail)
+            mixed, _ = delta_rule.causal_conv1d(channels, taps, tail)
         q, k, v = jnp.split(mixed, [hk * dk, 2 * hk * dk], axis=-1)
         q, k, v = q.reshape(b, t, hk, dk), k.reshape(b, t, hk, dk), v.reshape(b, t, hv, dv)
 
@@ -169,7 +169,7 @@ class GatedDeltaNet(nn.Module):
             cache = self._commit(cache, slot, meta, rows, state, states, tail, channels)
         norm = param(self, "norm", (dv,), ("head_dim",), nn.initializers.ones)
         o = delta_rule.gated_rms_norm(o.astype(dt), z, norm, cfg.rms_norm_eps)  # [B, T, Hv, Dv]
-        w_out = param(self, "out_proj", (hv, dv, d), ("heads", "head_dim", "embed"), NORMAL)
+        w_out = weight(self, "out_proj", (hv, dv, d), ("heads", "head_dim", "embed"), (0, 1))
         return jnp.einsum("bthk,hkd->btd", o, w_out.astype(dt)), cache
 
     def _commit(self, cache: RecurrentState, slot, meta: ForwardMeta, rows, state, states, tail,

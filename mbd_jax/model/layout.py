@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from mbd_jax.config import ModelConfig, resolve_auto
-from mbd_jax.model import moe
+from mbd_jax.model import moe, quantize
 
 # Every MoE layer runs a `lax.switch` with a branch per expert over per-expert weights, so the
 # program grows with the expert count; past this many experts the stacked form stays.
@@ -117,9 +117,10 @@ def splits_experts(cfg: ModelConfig, mesh, moe_impl: str | None = None) -> bool:
 
 
 def split_experts(params: Any) -> Any:
-    """Each stacked routed-expert leaf [E, ...] -> a tuple of E arrays (copies)."""
+    """Each stacked routed-expert leaf [E, ...] (a quantized weight's scale too) -> a tuple of E
+    arrays (copies)."""
     def split(path, x):
-        name = str(getattr(path[-1], "key", path[-1]))
+        name = str(getattr(path[-1], "key", path[-1])).removesuffix(quantize.SCALE_SUFFIX)
         return tuple(jnp.unstack(x)) if name in moe.EXPERT_WEIGHTS else x
     return jax.tree_util.tree_map_with_path(split, params)
 

@@ -1,6 +1,6 @@
 """How the model's layers declare parameters: logical axis names on every one (mapped to mesh
-axes by parallel/mesh.py), weight matrices drawn later in groups (init_params), and RMSNorm
-weights in the checkpoint's convention."""
+axes by parallel/mesh.py), weight matrices drawn later in groups (init_params) and stored in 8
+bits when the config quantizes them, and RMSNorm weights in the checkpoint's convention."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from mbd_jax.config import ModelConfig
+from mbd_jax.model import quantize
 
 
 class Normal(nn.LogicallyPartitioned):
@@ -33,15 +34,47 @@ def param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str,
     return module.param(name, boxed, shape, jnp.dtype(cfg.param_dtype))
 
 
+def weight(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
+           contract: tuple[int, ...]) -> jax.Array:
+    """A weight matrix (drawn N(0, init_std^2)) that a matmul contracts over its `contract` axes.
+    With cfg.quantization it is stored in 8 bits beside a float32 `name`_scale per output
+    channel (model/quantize.py) and returned dequantized, in the compute dtype."""
+    cfg: ModelConfig = module.cfg
+    if cfg.quantization == "none":
+        return param(module, name, shape, axes, NORMAL)
+    q, scale = _quantized(module, name, shape, axes, contract)
+    return quantize.dequantize(q, scale, cfg.compute_dtype)
+
+
+def _quantized(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
+               contract: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """The stored (8-bit weight, float32 scale) pair; both zero-initialised (a quantized model is
+    drawn as a float one and then quantized: init_params)."""
+    scheme = quantize.SCHEMES[module.cfg.quantization]
+    scale_axes = tuple(None if i in contract else a for i, a in enumerate(axes))
+    q = module.param(name, nn.with_logical_partitioning(nn.initializers.zeros, axes), shape,
+                     scheme.dtype)
+    scale = module.param(name + quantize.SCALE_SUFFIX,
+                         nn.with_logical_partitioning(nn.initializers.ones, scale_axes),
+                         quantize.scale_shape(shape, contract), jnp.float32)
+    return q, scale
+
+
 def expert_weight(module: nn.Module, name: str, shape: tuple[int, ...],
                   axes: tuple[str, ...]) -> Any:
-    """A routed-expert weight: the stacked [E, ...] parameter, or the tuple of per-expert arrays
-    an engine on one CPU device keeps in its place (model/layout.py, split_experts)."""
+    """A routed-expert weight [E, in, out] (weight() contracting `in`): the stacked parameter, or
+    the tuple of per-expert arrays an engine on one CPU device keeps in its place (model/layout.py,
+    split_experts; a quantized weight's scale is split the same way)."""
+    scale_name = name + quantize.SCALE_SUFFIX
     if module.has_variable("params", name):
         stored = module.get_variable("params", name)
         if isinstance(stored, tuple):
-            return stored
-    return param(module, name, shape, axes, NORMAL)
+            if module.cfg.quantization == "none":
+                return stored
+            scales = module.get_variable("params", scale_name)
+            return tuple(quantize.dequantize(q, s, module.cfg.compute_dtype)
+                         for q, s in zip(stored, scales))
+    return weight(module, name, shape, axes, contract=(1,))
 
 
 def norm_weight(module: nn.Module, name: str, dim: int, axes: tuple[str, ...]) -> jax.Array:

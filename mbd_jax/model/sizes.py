@@ -14,8 +14,9 @@ from mbd_jax.model.transformer import param_logical_axes, param_shapes
 
 def _sizes(cfg: ModelConfig) -> list[tuple[int, bool]]:
     """(size, is a routed expert's weight) of every parameter. Counted in the scanned layout
-    (the same parameters, and a trace of each distinct layer once)."""
-    scanned = dataclasses.replace(cfg, layer_loop="scan")
+    (the same parameters, and a trace of each distinct layer once), unquantized (a quantized
+    weight's scales are not parameters of the model)."""
+    scanned = dataclasses.replace(cfg, layer_loop="scan", quantization="none")
     shapes = jax.tree.leaves(param_shapes(scanned))
     axes = jax.tree.leaves(param_logical_axes(scanned),
                            is_leaf=lambda x: isinstance(x, tuple))

@@ -30,11 +30,11 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from mbd_jax.config import ModelConfig
-from mbd_jax.model import layers, layout, moe
+from mbd_jax.model import layers, layout, moe, quantize
 from mbd_jax.model.cache import ModelCache
 from mbd_jax.model.forward_meta import ForwardMeta
 from mbd_jax.model.layer_types import layer_type
-from mbd_jax.model.params import NORMAL, draw_normals, expert_weight, norm_weight, param
+from mbd_jax.model.params import NORMAL, draw_normals, expert_weight, norm_weight, param, weight
 from mbd_jax.parallel.expert import sharded_experts
 from mbd_jax.parallel.mesh import tree_shardings
 
@@ -47,9 +47,9 @@ class DenseMLP(nn.Module):
     def __call__(self, x):
         cfg, dt = self.cfg, jnp.dtype(self.cfg.compute_dtype)
         d, f = cfg.hidden_size, self.width
-        wg = param(self, "gate_proj", (d, f), ("embed", "mlp"), NORMAL)
-        wu = param(self, "up_proj", (d, f), ("embed", "mlp"), NORMAL)
-        wd = param(self, "down_proj", (f, d), ("mlp", "embed"), NORMAL)
+        wg = weight(self, "gate_proj", (d, f), ("embed", "mlp"), (0,))
+        wu = weight(self, "up_proj", (d, f), ("embed", "mlp"), (0,))
+        wd = weight(self, "down_proj", (f, d), ("mlp", "embed"), (0,))
         return layers.swiglu(x, wg.astype(dt), wu.astype(dt), wd.astype(dt))
 
 
@@ -173,14 +173,17 @@ def init_params(cfg: ModelConfig, seed: int | None = None, mesh: Mesh | None = N
     """Random parameters in `cfg`'s runtime layout (plain arrays, logical-axis boxes removed),
     deterministic in `seed` and the same values whatever the layer loop (drawn in the canonical
     layout, then stacked); with a mesh, each device computes only its own shards (parallel/mesh.py
-    rules)."""
+    rules). A quantized config draws the float weights and quantizes them."""
+    shardings = None
+    if mesh is not None:
+        shardings = tree_shardings(param_logical_axes(cfg), param_shapes(cfg), mesh)
+    if cfg.quantization != "none":
+        drawn = init_params(dataclasses.replace(cfg, quantization="none"), seed, mesh)
+        return quantize.quantize_tree(drawn, param_shapes(cfg), shardings)
     model = Transformer(layout.canonical(cfg))
     tokens = jnp.zeros((1, cfg.block_size), jnp.int32)
     mask = jnp.ones((1, cfg.block_size, cfg.block_size), bool)
     key = jax.random.PRNGKey(cfg.seed if seed is None else seed)
-    shardings = None
-    if mesh is not None:
-        shardings = tree_shardings(param_logical_axes(cfg), param_shapes(cfg), mesh)
 
     def init(k):
         boxed = model.init(k, tokens, ForwardMeta.explicit(tokens, mask))["params"]

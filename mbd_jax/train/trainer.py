@@ -368,6 +368,9 @@ def run_training(tcfg: TrainConfig, progress: Progress = "bar", mesh: Mesh | Non
     model = load_model(str(source) if source.exists() else tcfg.model, mesh=mesh)
     if model.tokenizer is None:
         raise UserError(f"model {tcfg.model}: training needs a tokenizer in its config")
+    if model.cfg.quantization != "none":
+        raise UserError(f"model {tcfg.model}: its weights are quantized ({model.cfg.quantization}); "
+                        "train the float model and quantize the result")
     cfg = dataclasses.replace(model.cfg, tokenizer=str((model.path.parent / model.cfg.tokenizer)
                                                        .resolve()))
     trainer = Trainer(tcfg, cfg, model.params, model.tokenizer, mesh=mesh)
