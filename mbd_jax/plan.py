@@ -69,6 +69,22 @@ def _memory(program: deviceless.Program) -> dict[str, int]:
             "total_bytes": total}
 
 
+def gemm_operands(text: str) -> dict[str, int]:
+    """The GEMM fusions of a compiled XLA:GPU program (its as_text()) counted by the narrowest
+    element type among their operands: "s8" or "f8e4m3fn" where an 8-bit weight enters the GEMM
+    as it is (the cast fused into the operand loads), "bf16" where only 16-bit operands do."""
+    widths = {"s8": 1, "f8e4m3fn": 1, "bf16": 2, "f16": 2, "f32": 4}
+    params = dict(re.findall(r"^%([\w.\-]+) \((.*?)\) ->", text, re.M))
+    counts: dict[str, int] = {}
+    for called in re.findall(r'calls=%([\w.\-]+).*"kind":"__\w*gemm\w*"', text):
+        types = [t for t in re.findall(r"\b([a-z]+\d+\w*)\[", params.get(called, ""))
+                 if t in widths]
+        if types:
+            narrowest = min(types, key=lambda t: widths[t])
+            counts[narrowest] = counts.get(narrowest, 0) + 1
+    return counts
+
+
 def _collectives(program: deviceless.Program) -> dict[str, int]:
     text = program.compiled.as_text()
     counts = {c: len(re.findall(rf"\b{c}(?:-start)?\(", text)) for c in COLLECTIVES}
@@ -141,7 +157,8 @@ def plan(cfg: ModelConfig, target: str, hosts: int, per_host: int, mesh_spec: st
     for name, program in programs.items():
         memory = _memory(program)
         report["programs"][name] = {**memory, "hbm_share": memory["total_bytes"] / facts.hbm_bytes,
-                                    "collectives": _collectives(program)}
+                                    "collectives": _collectives(program),
+                                    "gemm_operands": gemm_operands(program.compiled.as_text())}
     peak = max(p["total_bytes"] for p in report["programs"].values())
     report["fits"] = not enlarged and peak <= budget * facts.hbm_bytes
     window = shape.buffer_size * cfg.block_size
@@ -183,12 +200,15 @@ def table(report: dict[str, Any]) -> str:
              f"{report['buffer_size']}, {report['capacity']} positions per row",
              f"per device: parameters {_size(report['param_bytes_per_device'])}, "
              f"KV {_size(report['kv_bytes_per_device'])}",
-             "| program | arguments | temporaries | total | of HBM | collectives |",
-             "|---|---|---|---|---|---|"]
+             "| program | arguments | temporaries | total | of HBM | collectives | GEMMs by "
+             "narrowest operand |",
+             "|---|---|---|---|---|---|---|"]
     for name, p in report["programs"].items():
         coll = ", ".join(f"{c} x{n}" for c, n in p["collectives"].items()) or "none"
+        gemms = ", ".join(f"{t} x{n}" for t, n in sorted(p["gemm_operands"].items())) or "none"
         lines.append(f"| {name} | {_size(p['argument_bytes'])} | {_size(p['temp_bytes'])} | "
-                     f"{_size(p['total_bytes'])} | {100 * p['hbm_share']:.2f}% | {coll} |")
+                     f"{_size(p['total_bytes'])} | {100 * p['hbm_share']:.2f}% | {coll} | "
+                     f"{gemms} |")
     s = report["decode_step"]
     lines.append(f"decode step (modelled, not measured): {s['step_ms']:.3f} ms, {s['bound']} "
                  f"bound (compute {s['compute_ms']:.3f} ms, HBM {s['hbm_ms']:.3f} ms; "

@@ -1,5 +1,6 @@
 """The engine's GPU programs compile, on this CPU machine: decode and prefill of a tiny MoE preset
-(on the chunked attention loop and on the Pallas kernel) and a tiny MoE hybrid, for an 8 x H200
+(on the chunked attention loop and on the Pallas kernel; with bf16, int8 and fp8 weights) and a
+tiny MoE hybrid, for an 8 x H200
 topology with `expert` and `tensor` axes, through XLA:GPU's whole pipeline
 (engine/deviceless.py). Runs in its own process: the CUDA plugin lives
 in .venv/gpu-compile (`make test` installs it), outside this process's JAX."""
@@ -17,6 +18,7 @@ PLUGIN_DIR = ROOT / ".venv" / "gpu-compile"
 
 SCRIPT = r"""
 import dataclasses, json, re, time
+from mbd_jax import plan
 from mbd_jax.config import load_model_config
 from mbd_jax.config.paths import MODEL_PRESET_DIR
 from mbd_jax.engine import deviceless
@@ -25,13 +27,21 @@ from mbd_jax.parallel import mesh as meshlib
 devices = deviceless.topology_devices("h200", hosts=1, per_host=8)
 mesh = meshlib.make_mesh({"data": 1, "expert": 4, "tensor": 2}, devices)
 out = {"device_kind": devices[0].device_kind, "platform": devices[0].platform}
-for preset, attention in (("tiny-moe", "chunked"), ("tiny-moe-hybrid-causal", "chunked"),
-                          ("tiny-moe", "pallas")):
+# (preset, attention, weights: the preset's, or bf16 / int8 / fp8 for the quantization checks)
+for preset, attention, weights in (("tiny-moe", "chunked", None),
+                                   ("tiny-moe-hybrid-causal", "chunked", None),
+                                   ("tiny-moe", "pallas", None), ("tiny-moe", "chunked", "bf16"),
+                                   ("tiny-moe", "chunked", "int8"), ("tiny-moe", "chunked", "fp8")):
     cfg = dataclasses.replace(load_model_config(MODEL_PRESET_DIR / f"{preset}.yaml"),
                               moe_impl="auto",  # the preset fixes tiled for training
                               attention_impl=attention)
+    if weights is not None:
+        cfg = dataclasses.replace(cfg, param_dtype="bfloat16", compute_dtype="bfloat16",
+                                  quantization="none" if weights == "bf16" else weights)
     preset += "" if attention == "chunked" else f" {attention}"
+    preset += "" if weights is None else f" {weights}"
     shape = deviceless.EngineShape(batch_size=4, buffer_size=2, prefill_chunk=64)
+    param_bytes = deviceless.engine_layout(cfg, mesh, shape).param_bytes
     for name, program in deviceless.compile_engine(cfg, mesh, shape).items():
         text, memory = program.compiled.as_text(), program.compiled.memory_analysis()
         out[f"{preset} {name}"] = {
@@ -42,6 +52,7 @@ for preset, attention in (("tiny-moe", "chunked"), ("tiny-moe-hybrid-causal", "c
                 "all-reduce", "all-gather", "all-to-all", "reduce-scatter")},
             "kernel_calls": len(re.findall(r'custom_call_target="__gpu\$xla\.gpu\.triton"', text)),
             "kernel_named": "paged_block_causal_attention" in text,
+            "gemm_operands": plan.gemm_operands(text), "param_bytes": param_bytes,
             "argument_bytes": memory.argument_size_in_bytes, "input_bytes": program.input_bytes,
             "temp_bytes": memory.temp_size_in_bytes}
 print(json.dumps(out))
@@ -86,3 +97,19 @@ def test_decode_and_prefill_compile_for_an_h200_mesh():
         assert kernel["collective_counts"] == loop["collective_counts"], (kernel, loop)
         assert kernel["argument_bytes"] == loop["argument_bytes"], (kernel, loop)
         assert 0 < kernel["temp_bytes"] < 64 << 20, kernel
+
+
+    # 8-bit weights (int8, fp8) against the same model in bf16: the parameters take about half
+    # the bytes (embeddings, norms and routers stay bf16) and the programs hold them as stored
+    # (the argument bytes drop by as much), make no dequantized copy (temporaries no larger),
+    # and the projections' GEMMs take the 8-bit weights as operands (the cast fused into the
+    # Triton GEMM's loads; the experts are dequantized in the copy of their layer slice)
+    for scheme, eight_bit in (("int8", "s8"), ("fp8", "f8e4m3fn")):
+        for name in ("decode", "prefill"):
+            q, ref = out[f"tiny-moe {scheme} {name}"], out[f"tiny-moe bf16 {name}"]
+            assert q["param_bytes"] < 0.6 * ref["param_bytes"], (scheme, q, ref)
+            assert (ref["argument_bytes"] - q["argument_bytes"]
+                    == ref["param_bytes"] - q["param_bytes"]), (scheme, name, q, ref)
+            assert q["temp_bytes"] <= ref["temp_bytes"], (scheme, name, q, ref)
+            assert q["gemm_operands"].get(eight_bit, 0) >= 4, (scheme, name, q)  # q, k, v, o
+            assert set(ref["gemm_operands"]) == {"bf16"}, ref

@@ -9,6 +9,7 @@ import json
 import pathlib
 import shutil
 import textwrap
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +67,11 @@ def test_fp8_is_e4m3_rounding_within_half_an_ulp():
     assert np.all(np.isfinite(np.asarray(q).astype(np.float32)))
 
 
+class _Loaded(NamedTuple):  # what ours_logits reads of a loaded model
+    cfg: Any
+    params: Any
+
+
 def _dequantized(params, cfg):
     """The float parameters a quantized tree stands for: each weight q * scale (float32)."""
     def walk(tree):
@@ -82,9 +88,9 @@ def _dequantized(params, cfg):
 
 @pytest.mark.parametrize("name,scheme", [("tiny-moe", "int8"), ("tiny-moe-hybrid-causal", "fp8")])
 def test_quantized_model_is_the_float_model_of_its_dequantized_weights(name, scheme):
-    """A quantized model decodes exactly as the float model holding q * scale: through the engine
-    (per-expert weights on one CPU device, the quantized scales split with them) and with MultiBD;
-    and it is a different model from the original float one (the test could fail)."""
+    """A quantized model is the float model holding q * scale: the same logits (a rounding apart:
+    projections scale the product, not the weight) and, through the engine (per-expert weights
+    on one CPU device, their scales split with them) with MultiBD, the same tokens."""
     quant = load_model(name, runtime={"quantization": scheme})
     assert {k for k in quant.params["layer_1"]["moe"] if k.endswith("_scale")} == {
         "experts_gate_scale", "experts_up_scale", "experts_down_scale"}
@@ -96,8 +102,12 @@ def test_quantized_model_is_the_float_model_of_its_dequantized_weights(name, sch
         engine = Engine(cfg, params, batch_size=2, buffer_size=2)
         return [r.token_ids for r in engine.generate(prompts, decode)]
 
+    dequantized = _dequantized(quant.params, quant.cfg)
+    ids = list(range(3, 35))
+    want = ours_logits(_Loaded(float_cfg, dequantized), ids)
+    np.testing.assert_allclose(ours_logits(quant, ids), want, atol=1e-4 * np.abs(want).max())
     got = tokens(quant.cfg, quant.params)
-    assert got == tokens(float_cfg, _dequantized(quant.params, quant.cfg))
+    assert got == tokens(float_cfg, dequantized)
     assert len(got[0]) == 20
 
 

@@ -19,7 +19,7 @@ from mbd_jax.errors import UserError
 from mbd_jax.model import layers, paged_attention_kernel, rope
 from mbd_jax.model.forward_meta import ForwardMeta
 from mbd_jax.model.paged_kv import PagedKV
-from mbd_jax.model.params import norm_weight, weight
+from mbd_jax.model.params import norm_weight, project, weight
 from mbd_jax.parallel.attention import sharded_attention
 
 
@@ -38,9 +38,9 @@ class Attention(nn.Module):
         wk = weight(self, "k_proj", (d, kh, dh), ("embed", "kv_heads", "head_dim"), (0,))
         wv = weight(self, "v_proj", (d, kh, dh), ("embed", "kv_heads", "head_dim"), (0,))
         wo = weight(self, "o_proj", (h, dh, d), ("heads", "head_dim", "embed"), (0, 1))
-        q = jnp.einsum("btd,dhk->bthk", x, wq.astype(dt))  # [B, T, H, Dh]
-        k = jnp.einsum("btd,dhk->bthk", x, wk.astype(dt))  # [B, T, K, Dh]
-        v = jnp.einsum("btd,dhk->bthk", x, wv.astype(dt))
+        q = project("btd,dhk->bthk", x, wq, dt)  # [B, T, H, Dh]
+        k = project("btd,dhk->bthk", x, wk, dt)  # [B, T, K, Dh]
+        v = project("btd,dhk->bthk", x, wv, dt)
         if cfg.qk_norm:
             q = layers.rms_norm(q, norm_weight(self, "q_norm", dh, ("head_dim",)), cfg.rms_norm_eps)
             k = layers.rms_norm(k, norm_weight(self, "k_norm", dh, ("head_dim",)), cfg.rms_norm_eps)
@@ -65,8 +65,8 @@ class Attention(nn.Module):
                 out = layers.dense_attention(q, k_all.astype(dt), v_all.astype(dt), visible)
         if cfg.attention_output_gate:  # each head's output scaled by its own sigmoid gate
             wg = weight(self, "gate_proj", (d, h, dh), ("embed", "heads", "head_dim"), (0,))
-            out = out * jax.nn.sigmoid(jnp.einsum("btd,dhk->bthk", x, wg.astype(dt)))
-        return jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), kv
+            out = out * jax.nn.sigmoid(project("btd,dhk->bthk", x, wg, dt))
+        return project("bthk,hkd->btd", out, wo, dt), kv
 
     def _kernel(self, q, kv: PagedKV, slot, meta: ForwardMeta):
         """The Pallas kernel over this layer's pool: compiled for a GPU platform, interpreted

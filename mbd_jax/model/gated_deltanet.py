@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from mbd_jax.config import ModelConfig, resolve_auto
 from mbd_jax.model import delta_rule
 from mbd_jax.model.forward_meta import ForwardMeta, group_starts
-from mbd_jax.model.params import NORMAL, param, weight
+from mbd_jax.model.params import NORMAL, param, project, weight
 from mbd_jax.model.recurrent_state import RecurrentState
 
 
@@ -119,14 +119,14 @@ class GatedDeltaNet(nn.Module):
 
         def proj(name, heads, dim):  # x @ W: [B, T, heads, dim]
             w = weight(self, name, (d, heads, dim), ("embed", "heads", "head_dim"), (0,))
-            return jnp.einsum("btd,dhk->bthk", x, w.astype(dt))
+            return project("btd,dhk->bthk", x, w, dt)
 
         q, k, v, z = proj("q_proj", hk, dk), proj("k_proj", hk, dk), proj("v_proj", hv, dv), \
             proj("z_proj", hv, dv)
         w_b = weight(self, "b_proj", (d, hv), ("embed", "heads"), (0,))
         w_a = weight(self, "a_proj", (d, hv), ("embed", "heads"), (0,))
-        beta = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", x, w_b.astype(dt)).astype(jnp.float32))
-        a = jnp.einsum("btd,dh->bth", x, w_a.astype(dt)).astype(jnp.float32)
+        beta = jax.nn.sigmoid(project("btd,dh->bth", x, w_b, dt).astype(jnp.float32))
+        a = project("btd,dh->bth", x, w_a, dt).astype(jnp.float32)
         a_log = param(self, "A_log", (hv,), ("heads",), nn.initializers.zeros)
         dt_bias = param(self, "dt_bias", (hv,), ("heads",), nn.initializers.ones)
         g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a + dt_bias.astype(jnp.float32))
@@ -170,7 +170,7 @@ class GatedDeltaNet(nn.Module):
         norm = param(self, "norm", (dv,), ("head_dim",), nn.initializers.ones)
         o = delta_rule.gated_rms_norm(o.astype(dt), z, norm, cfg.rms_norm_eps)  # [B, T, Hv, Dv]
         w_out = weight(self, "out_proj", (hv, dv, d), ("heads", "head_dim", "embed"), (0, 1))
-        return jnp.einsum("bthk,hkd->btd", o, w_out.astype(dt)), cache
+        return project("bthk,hkd->btd", o, w_out, dt), cache
 
     def _commit(self, cache: RecurrentState, slot, meta: ForwardMeta, rows, state, states, tail,
                 channels):

@@ -126,8 +126,3 @@ def chunked_attention(q: jax.Array, kv: PagedKV, slot, q_pos: jax.Array,
     out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]  # rows that see nothing (padding) stay finite
     out = jnp.transpose(out.reshape(b, kh, g, t, dh), (0, 3, 1, 2, 4))  # [B, T, K, G, Dh]
     return out.reshape(b, t, h, dh).astype(q.dtype)
-
-
-def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """x: [..., D]; w_gate, w_up: [D, F]; w_down: [F, D]."""
-    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down

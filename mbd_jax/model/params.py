@@ -5,7 +5,7 @@ bits when the config quantizes them, and RMSNorm weights in the checkpoint's con
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -34,16 +34,36 @@ def param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str,
     return module.param(name, boxed, shape, jnp.dtype(cfg.param_dtype))
 
 
+class Quantized(NamedTuple):
+    """A quantized weight matrix as a layer reads it (project): the 8-bit values and one scale
+    per output channel, shaped like the weight's output axes."""
+    q: jax.Array
+    scale: jax.Array
+
+
 def weight(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
-           contract: tuple[int, ...]) -> jax.Array:
-    """A weight matrix (drawn N(0, init_std^2)) that a matmul contracts over its `contract` axes.
-    With cfg.quantization it is stored in 8 bits beside a float32 `name`_scale per output
-    channel (model/quantize.py) and returned dequantized, in the compute dtype."""
+           contract: tuple[int, ...]) -> jax.Array | Quantized:
+    """A weight matrix (drawn N(0, init_std^2)) that project() contracts over its leading
+    `contract` axes. With cfg.quantization it is stored in 8 bits beside a float32 `name`_scale
+    (model/quantize.py) and read as a Quantized pair."""
     cfg: ModelConfig = module.cfg
     if cfg.quantization == "none":
         return param(module, name, shape, axes, NORMAL)
+    assert contract == tuple(range(len(contract))), "project() scales the trailing axes"
     q, scale = _quantized(module, name, shape, axes, contract)
-    return quantize.dequantize(q, scale, cfg.compute_dtype)
+    return Quantized(q, scale.reshape(shape[len(contract):]))
+
+
+def project(spec: str, x: jax.Array, w: jax.Array | Quantized, dtype: Any,
+            **kwargs: Any) -> jax.Array:
+    """einsum(spec, x, w) in `dtype`, for a weight from weight() whose output axes end the
+    result. A Quantized weight's 8-bit values enter the matmul as they are (cast to `dtype`;
+    XLA:GPU's Triton GEMM fuses that cast into its operand loads, so no dequantized copy of the
+    weight is made) and the per-channel scale multiplies the product."""
+    if not isinstance(w, Quantized):
+        return jnp.einsum(spec, x, w.astype(dtype), **kwargs)
+    out = jnp.einsum(spec, x, w.q.astype(dtype), **kwargs)
+    return out * w.scale.astype(out.dtype)
 
 
 def _quantized(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
@@ -62,9 +82,12 @@ def _quantized(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple
 
 def expert_weight(module: nn.Module, name: str, shape: tuple[int, ...],
                   axes: tuple[str, ...]) -> Any:
-    """A routed-expert weight [E, in, out] (weight() contracting `in`): the stacked parameter, or
-    the tuple of per-expert arrays an engine on one CPU device keeps in its place (model/layout.py,
-    split_experts; a quantized weight's scale is split the same way)."""
+    """A routed-expert weight [E, in, out]: the stacked parameter, or the tuple of per-expert
+    arrays an engine on one CPU device keeps in its place (model/layout.py, split_experts; a
+    quantized weight's scale is split the same way). A quantized one is returned dequantized in
+    the compute dtype (q * scale): the expert paths index experts by the routing, and under a
+    scanned layer loop XLA:GPU fuses the dequantization into the copy of the layer's slice it
+    makes for float weights too (docs/architecture.md)."""
     scale_name = name + quantize.SCALE_SUFFIX
     if module.has_variable("params", name):
         stored = module.get_variable("params", name)
@@ -74,7 +97,10 @@ def expert_weight(module: nn.Module, name: str, shape: tuple[int, ...],
             scales = module.get_variable("params", scale_name)
             return tuple(quantize.dequantize(q, s, module.cfg.compute_dtype)
                          for q, s in zip(stored, scales))
-    return weight(module, name, shape, axes, contract=(1,))
+    if module.cfg.quantization == "none":
+        return param(module, name, shape, axes, NORMAL)
+    return quantize.dequantize(*_quantized(module, name, shape, axes, (1,)),
+                               module.cfg.compute_dtype)
 
 
 def norm_weight(module: nn.Module, name: str, dim: int, axes: tuple[str, ...]) -> jax.Array:

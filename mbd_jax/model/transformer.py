@@ -34,7 +34,8 @@ from mbd_jax.model import layers, layout, moe, quantize
 from mbd_jax.model.cache import ModelCache
 from mbd_jax.model.forward_meta import ForwardMeta
 from mbd_jax.model.layer_types import layer_type
-from mbd_jax.model.params import NORMAL, draw_normals, expert_weight, norm_weight, param, weight
+from mbd_jax.model.params import (NORMAL, draw_normals, expert_weight, norm_weight, param,
+                                  project, weight)
 from mbd_jax.parallel.expert import sharded_experts
 from mbd_jax.parallel.mesh import tree_shardings
 
@@ -50,7 +51,8 @@ class DenseMLP(nn.Module):
         wg = weight(self, "gate_proj", (d, f), ("embed", "mlp"), (0,))
         wu = weight(self, "up_proj", (d, f), ("embed", "mlp"), (0,))
         wd = weight(self, "down_proj", (f, d), ("mlp", "embed"), (0,))
-        return layers.swiglu(x, wg.astype(dt), wu.astype(dt), wd.astype(dt))
+        h = jax.nn.silu(project("...d,df->...f", x, wg, dt)) * project("...d,df->...f", x, wu, dt)
+        return project("...f,fd->...d", h, wd, dt)
 
 
 class MoE(nn.Module):
