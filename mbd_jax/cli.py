@@ -113,6 +113,9 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantize", dest="quantization", choices=typing.get_args(Quantization),
                    help="quantize a float model's weight matrices as it loads (8 bits, a scale "
                         "per output channel)")
+    g.add_argument("--kv-quantize", dest="kv_quantization", choices=typing.get_args(Quantization),
+                   help="the KV pool in 8 bits, a scale per position and kv head (default: the "
+                        "compute dtype)")
     g.add_argument("--max-model-len", dest="max_seq_len", type=int,
                    help="context length to serve (at most the model's; a smaller KV buffer; a "
                         "multiple of the block size)")

@@ -36,12 +36,13 @@ for preset, attention, weights in (("tiny-moe", "chunked", None),
                               moe_impl="auto",  # the preset fixes tiled for training
                               attention_impl=attention)
     if weights is not None:
+        scheme = "none" if weights == "bf16" else weights  # the weights and the KV pool
         cfg = dataclasses.replace(cfg, param_dtype="bfloat16", compute_dtype="bfloat16",
-                                  quantization="none" if weights == "bf16" else weights)
+                                  quantization=scheme, kv_quantization=scheme)
     preset += "" if attention == "chunked" else f" {attention}"
     preset += "" if weights is None else f" {weights}"
     shape = deviceless.EngineShape(batch_size=4, buffer_size=2, prefill_chunk=64)
-    param_bytes = deviceless.engine_layout(cfg, mesh, shape).param_bytes
+    layout = deviceless.engine_layout(cfg, mesh, shape)
     for name, program in deviceless.compile_engine(cfg, mesh, shape).items():
         text, memory = program.compiled.as_text(), program.compiled.memory_analysis()
         out[f"{preset} {name}"] = {
@@ -52,7 +53,8 @@ for preset, attention, weights in (("tiny-moe", "chunked", None),
                 "all-reduce", "all-gather", "all-to-all", "reduce-scatter")},
             "kernel_calls": len(re.findall(r'custom_call_target="__gpu\$xla\.gpu\.triton"', text)),
             "kernel_named": "paged_block_causal_attention" in text,
-            "gemm_operands": plan.gemm_operands(text), "param_bytes": param_bytes,
+            "gemm_operands": plan.gemm_operands(text), "param_bytes": layout.param_bytes,
+            "kv_bytes": layout.kv_bytes,
             "argument_bytes": memory.argument_size_in_bytes, "input_bytes": program.input_bytes,
             "temp_bytes": memory.temp_size_in_bytes}
 print(json.dumps(out))
@@ -99,17 +101,19 @@ def test_decode_and_prefill_compile_for_an_h200_mesh():
         assert 0 < kernel["temp_bytes"] < 64 << 20, kernel
 
 
-    # 8-bit weights (int8, fp8) against the same model in bf16: the parameters take about half
-    # the bytes (embeddings, norms and routers stay bf16) and the programs hold them as stored
-    # (the argument bytes drop by as much), make no dequantized copy (temporaries no larger),
-    # and the projections' GEMMs take the 8-bit weights as operands (the cast fused into the
-    # Triton GEMM's loads; the experts are dequantized in the copy of their layer slice)
+    # 8-bit weights and KV pool (int8, fp8) against the same model in bf16: the parameters take
+    # about half the bytes (embeddings, norms and routers stay bf16), the pool (Dh + 4) / 2Dh
+    # (a float32 scale per vector; Dh 32 here), and the programs hold both as stored (the
+    # argument bytes drop by as much), make no dequantized copy (temporaries no larger), and
+    # the projections' GEMMs take the 8-bit weights as operands (the cast fused into the Triton
+    # GEMM's loads; the experts are dequantized in the copy of their layer slice)
     for scheme, eight_bit in (("int8", "s8"), ("fp8", "f8e4m3fn")):
         for name in ("decode", "prefill"):
             q, ref = out[f"tiny-moe {scheme} {name}"], out[f"tiny-moe bf16 {name}"]
             assert q["param_bytes"] < 0.6 * ref["param_bytes"], (scheme, q, ref)
-            assert (ref["argument_bytes"] - q["argument_bytes"]
-                    == ref["param_bytes"] - q["param_bytes"]), (scheme, name, q, ref)
+            assert q["kv_bytes"] < 0.65 * ref["kv_bytes"], (scheme, q, ref)
+            assert (ref["argument_bytes"] - q["argument_bytes"] == ref["param_bytes"]
+                    - q["param_bytes"] + ref["kv_bytes"] - q["kv_bytes"]), (scheme, name, q, ref)
             assert q["temp_bytes"] <= ref["temp_bytes"], (scheme, name, q, ref)
             assert q["gemm_operands"].get(eight_bit, 0) >= 4, (scheme, name, q)  # q, k, v, o
             assert set(ref["gemm_operands"]) == {"bf16"}, ref

@@ -149,18 +149,21 @@ def test_converted_qwen3_moe_quantized_logits_stay_close(tmp_path, scheme):
 
 
 def test_default_model_quantized_keeps_its_accuracy_and_tpf():
-    """tiny-mbd (MBD, N_buf 2) with int8 and fp8 weights: every task within 2 points of float on
-    the same held-out prompts, TPF within 3% (measured at 100 per task: 98.7 float, 99.0 int8,
-    99.1 fp8 pooled; TPF 4.83, 4.83, 4.82)."""
+    """tiny-mbd (MBD, N_buf 2) with int8 and fp8 weights, and with an int8 KV pool: every task
+    within 2 points of float on the same held-out prompts, TPF within 3% (measured at 100 per
+    task, pooled: float 98.7; int8 weights 99.0, fp8 99.1, int8 KV 98.7, int8 both 98.7; TPF
+    4.83, 4.83, 4.82, 4.83, 4.83: `mbd-jax eval --limit 100 --quantize S --kv-quantize S`)."""
     decode = table1_decode(2)
+    settings = {"float": {}, "int8": {"quantization": "int8"}, "fp8": {"quantization": "fp8"},
+                "int8 KV": {"kv_quantization": "int8"}}
     reports = {}
-    for scheme in ("none", "int8", "fp8"):
-        model = load_model("tiny-mbd", runtime={"quantization": scheme})
+    for name, runtime in settings.items():
+        model = load_model("tiny-mbd", runtime=runtime)
         engine = Engine(model.cfg, model.params, batch_size=16, buffer_size=2,
                         tokenizer=model.tokenizer)
-        reports[scheme] = evaluate_tasks(model, decode, engine, limit=20)
-    for scheme in ("int8", "fp8"):
-        for ref, got in zip(reports["none"], reports[scheme]):
+        reports[name] = evaluate_tasks(model, decode, engine, limit=20)
+    for scheme in ("int8", "fp8", "int8 KV"):
+        for ref, got in zip(reports["float"], reports[scheme]):
             assert got.accuracy >= ref.accuracy - 0.02, (scheme, got.task, got.accuracy)
             assert got.tpf >= 0.97 * ref.tpf, (scheme, got.task, got.tpf, ref.tpf)
 
@@ -222,11 +225,14 @@ SHARDED = textwrap.dedent("""
     def run(model, mesh):
         engine = Engine(model.cfg, model.params, batch_size=2, buffer_size=2, mesh=mesh)
         return [r.token_ids for r in engine.generate(prompts, decode)]
+    def engine_kv(model, mesh):
+        engine = Engine(model.cfg, model.params, batch_size=2, buffer_size=2, mesh=mesh)
+        return engine.kv.positional
     out = {}
     for spec in ("data=1", "expert=4,tensor=2"):
         n = 1 if spec == "data=1" else 8
         mesh = meshlib.make_mesh(meshlib.parse_mesh(spec, n), jax.devices()[:n])
-        model = load_model(DIR, mesh=mesh)
+        model = load_model(DIR, mesh=mesh, runtime={"kv_quantization": "int8"})
         want = sharding.param_shardings(model.cfg, mesh)
         moe = model.params["layer_1"]["moe"]
         out[spec] = {"tokens": run(model, mesh),
@@ -234,14 +240,17 @@ SHARDED = textwrap.dedent("""
                                                                      jax.tree.leaves(want))),
                      "q_local": list(moe["experts_up"].addressable_shards[0].data.shape),
                      "scale_local": list(moe["experts_up_scale"].addressable_shards[0].data.shape),
-                     "dtype": str(moe["experts_up"].dtype)}
+                     "dtype": str(moe["experts_up"].dtype),
+                     "kv_scale_local": list(jax.tree.leaves(
+                         engine_kv(model, mesh).k_scale)[0].addressable_shards[0].data.shape)}
     print(json.dumps(out))
 """)
 
 
 def test_quantized_directory_restores_sharded_with_the_same_tokens(tmp_path):
     """An fp8 copy of tiny-mbd restored onto an (expert 4, tensor 2) mesh, each device reading
-    its own shards of the weights and their scales, decodes the tokens one device does."""
+    its own shards of the weights and their scales, decodes with an int8 KV pool (its heads and
+    their scales split on `tensor`) the tokens one device does."""
     dst = tmp_path / "fp8"
     assert main(["convert", "--src", str(ROOT / "models" / "tiny-mbd"), "--dst", str(dst),
                  "--quantize", "fp8"]) == 0
@@ -251,6 +260,7 @@ def test_quantized_directory_restores_sharded_with_the_same_tokens(tmp_path):
     assert sharded["placed"] and sharded["dtype"] == "float8_e4m3fn"
     assert one["q_local"] == [8, 128, 128] and one["scale_local"] == [8, 1, 128]
     assert sharded["q_local"] == [2, 128, 64] and sharded["scale_local"] == [2, 1, 64]
+    assert one["kv_scale_local"][-1] == 2 and sharded["kv_scale_local"][-1] == 1  # kv heads
 
 
 def test_quantized_parameters_carry_their_scales_logical_axes():

@@ -153,6 +153,9 @@ class ModelConfig:
     param_dtype: DType = "float32"  # every parameter but the quantized weights
     compute_dtype: DType = "float32"
     quantization: Quantization = "none"
+    # The attention layers' KV pool: in the compute dtype, or 8-bit with a float32 scale per
+    # position and kv head (model/paged_kv.py). The hybrids' recurrent states stay float32.
+    kv_quantization: Quantization = "none"
     # The platform the programs are built for ("cpu", "gpu", "tpu"): what `auto` settings stand for
     # (config/backend.py). None: the first device's. An engine sets it from its mesh's devices,
     # so a CPU host compiling for a GPU topology traces the GPU program.
@@ -178,6 +181,9 @@ class ModelConfig:
         _check(rot % 2 == 0, where, f"rotary_fraction * head_dim = {rot} must be even")
         if self.rope_scaling is not None:
             self.rope_scaling.validate(f"{where}.rope_scaling")
+        _check(self.kv_quantization == "none" or self.attention_impl != "pallas", where,
+               f"field 'kv_quantization' {self.kv_quantization} needs attention_impl chunked or "
+               "dense (the Pallas kernel reads a float KV pool)")
         _check(self.max_seq_len % self.block_size == 0, where,
                f"field 'max_seq_len' ({self.max_seq_len}) must be a multiple of 'block_size' "
                f"({self.block_size})")
@@ -255,6 +261,7 @@ class RuntimeConfig:
     compute_dtype: DType | None = None
     # quantize a float model's weights as it loads (a model stored quantized keeps its scheme)
     quantization: Quantization | None = None
+    kv_quantization: Quantization | None = None  # the KV pool (nothing stored changes)
     max_seq_len: int | None = None  # serve a shorter context than the model's (a smaller KV buffer)
 
     def validate(self, where: str = "runtime") -> None:

@@ -154,7 +154,7 @@ class ModelCache:
 
     @property
     def block_dtype(self) -> Any:
-        return jnp.float32 if self.positional is None else self.positional.dtype
+        return jnp.float32 if self.positional is None else self.positional.entry_dtype
 
     @classmethod
     def join(cls, cfg: ModelConfig, entries: Sequence[np.ndarray], tokens: int) -> np.ndarray:
