@@ -8,12 +8,12 @@
 Every configuration puts all its devices on the `expert` axis (8 per host: 16 devices are two
 hosts) and is compiled by the planner (mbd_jax/plan.py: deviceless XLA:GPU, memory read back,
 the decode step modelled, not measured). Beside each row, the HBM floor of reading the active
-weights once per step (the whole model's active parameters, in its param_dtype or a byte each when
-quantized, over the devices' summed bandwidth:
-what no engine can beat at batch 1). `--quantize` /
-`--kv-quantize` add the weights' and the KV pool's 8-bit schemes as grid axes; each row then
-says how many rows fit at its context and how long a context fits at its batch. Needs the gpu-compile extra (PYTHONPATH=.venv/gpu-compile
-after `make test`). A JSON line per configuration on stdout, the table on stderr.
+weights once per step (the whole model's active parameters, in its param_dtype or a byte each
+when quantized, over the devices' summed bandwidth: what no engine can beat at batch 1).
+`--quantize` / `--kv-quantize` add the weights' and the KV pool's 8-bit schemes as grid axes;
+each row then says how many rows fit at its context and how long a context fits at its batch.
+Needs the gpu-compile extra (PYTHONPATH=.venv/gpu-compile after `make test`). A JSON line per
+configuration on stdout, the table on stderr.
 """
 
 from __future__ import annotations
