@@ -1,6 +1,6 @@
 """8-bit weights and KV pool against float on one model: accuracy and TPF per task on the held-out
 prompts, decode tokens/s (the settings interleaved, medians), bytes of the weights, of the KV pool
-and of one stored prefix block.
+and of one prefix block as the prefix store keeps it (each engine has a RAM store).
 
     python tools/bench_quantization.py [--model tiny-mbd] [--settings float,int8,fp8,kv-int8,int8+kv-int8]
                                        [--limit 20] [--batch 16] [--new-tokens 64] [--repeats 5]
@@ -36,10 +36,10 @@ def runtime(setting: str) -> dict[str, str]:
 def main() -> int:
     import jax
 
+    from mbd_jax.cache.prefix_store import PrefixStore
     from mbd_jax.checkpoint import load_model
     from mbd_jax.engine import Engine
     from mbd_jax.evaluate import evaluate_tasks, pool, table1_decode
-    from mbd_jax.model.cache import ModelCache
 
     ap = harness.parser(__doc__)
     ap.add_argument("--model", default="tiny-mbd")
@@ -57,16 +57,17 @@ def main() -> int:
         print(f"[bench_quantization] {setting}: load, compile, evaluate", file=sys.stderr,
               flush=True)
         model = load_model(args.model, runtime=runtime(setting))
+        store = PrefixStore(setting, model.cfg.block_size, ram_bytes=1 << 26)
         engine = Engine(model.cfg, model.params, batch_size=args.batch, buffer_size=2,
-                        tokenizer=model.tokenizer)
+                        tokenizer=model.tokenizer, prefix_store=store)
         reports = evaluate_tasks(model, decode, engine, limit=args.limit)
-        block = ModelCache.block_shape(model.cfg, model.cfg.block_size)
+        block, block_dtype = store.entry_spec[""]  # what the engine stores per block
         runs[setting] = {
             "setting": setting, **pool(reports),
             **{f"acc_{r.task}": r.accuracy for r in reports},
             "param_mb": sum(a.nbytes for a in jax.tree.leaves(model.params)) / 2**20,
             "kv_mb": engine.stats().kv_bytes / 2**20,
-            "block_entry_kb": int(np.prod(block)) * np.dtype(engine.kv.block_dtype).itemsize / 1024,
+            "block_entry_kb": int(np.prod(block)) * block_dtype.itemsize / 1024,
             "engine": engine, "model": model, "tokens_per_s": []}
     rng = np.random.default_rng(0)
     first = next(iter(runs.values()))["model"].cfg
