@@ -31,7 +31,8 @@ out = {"device_kind": devices[0].device_kind, "platform": devices[0].platform}
 for preset, attention, weights in (("tiny-moe", "chunked", None),
                                    ("tiny-moe-hybrid-causal", "chunked", None),
                                    ("tiny-moe", "pallas", None), ("tiny-moe", "chunked", "bf16"),
-                                   ("tiny-moe", "chunked", "int8"), ("tiny-moe", "chunked", "fp8")):
+                                   ("tiny-moe", "chunked", "int8"), ("tiny-moe", "chunked", "fp8"),
+                                   ("tiny-moe", "pallas", "int8")):
     cfg = dataclasses.replace(load_model_config(MODEL_PRESET_DIR / f"{preset}.yaml"),
                               moe_impl="auto",  # the preset fixes tiled for training
                               attention_impl=attention)
@@ -117,3 +118,8 @@ def test_decode_and_prefill_compile_for_an_h200_mesh():
             assert q["temp_bytes"] <= ref["temp_bytes"], (scheme, name, q, ref)
             assert q["gemm_operands"].get(eight_bit, 0) >= 4, (scheme, name, q)  # q, k, v, o
             assert set(ref["gemm_operands"]) == {"bf16"}, ref
+    # the Pallas kernel reads an 8-bit pool as stored (Triton lowers its scaled loads)
+    for name in ("decode", "prefill"):
+        kernel = out[f"tiny-moe pallas int8 {name}"]
+        assert kernel["kernel_named"] and kernel["kernel_calls"] >= 1, kernel
+        assert kernel["argument_bytes"] == out[f"tiny-moe int8 {name}"]["argument_bytes"], kernel

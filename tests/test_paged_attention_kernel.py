@@ -147,15 +147,42 @@ def test_shapes_the_gpu_kernel_cannot_take_are_named():
     assert "head_dim" in check_shapes(64, 8)
 
 
-def test_an_engine_on_the_kernel_generates_the_chunked_paths_tokens():
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_an_8_bit_pool_equals_the_reference(scheme):
+    """An 8-bit pool (values and a scale per position and kv head) read by the kernel, which
+    scales scores and probabilities rather than dequantizing pages, equals the chunked loop over
+    the same pool (which dequantizes what it reads)."""
+    from mbd_jax.model import quantize
+
+    rows, t = 4, 2 * BLOCK
+    k, v, table = pool(7, rows)
+    (kq, ks), (vq, vs) = (quantize.quantize(a, scheme, (3,)) for a in (k, v))
+    k_pool, v_pool = (kq, ks[..., 0]), (vq, vs[..., 0])
+    cached = np.array([0, 24, 40, 72], np.int32)
+    visible_len = jnp.asarray(cached + t)
+    q_pos = jnp.asarray(cached[:, None] + np.arange(t, dtype=np.int32)[None])
+    q = jnp.asarray(np.random.default_rng(1).standard_normal((rows, t, 4, HEAD_DIM))
+                    .astype(np.float32))
+    got = paged_attention(q, k_pool, v_pool, table, q_pos, visible_len, BLOCK, interpret=True)
+    kv = PagedKV(k=(kq,), v=(vq,), table=table, k_scale=(k_pool[1],), v_scale=(v_pool[1],),
+                 scheme=scheme)
+    want = layers.chunked_attention(q, kv, 0, q_pos, visible_len, BLOCK, PAGE)
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    float_pool = reference(q, k, v, table, q_pos, visible_len)  # the 8 bits change the result
+    assert np.abs(np.asarray(got) - np.asarray(float_pool)).max() > 1e-4
+
+
+@pytest.mark.parametrize("kv", ["none", "int8"])
+def test_an_engine_on_the_kernel_generates_the_chunked_paths_tokens(kv):
     """The model's attention layers on the kernel (interpreted here), through admission,
-    prefill chunks and MultiBD decode: the same tokens as the chunked path."""
+    prefill chunks and MultiBD decode: the same tokens as the chunked path (with a float and an
+    8-bit KV pool)."""
     prompts = [np.random.default_rng(i).integers(5, 200, n).tolist()
                for i, n in enumerate((5, 29, 70))]
     decode = DecodeConfig(buffer_size=2, max_new_tokens=24)
-    want = Engine(tiny_cfg(), tiny_params(), batch_size=2, buffer_size=2,
+    want = Engine(tiny_cfg(kv_quantization=kv), tiny_params(), batch_size=2, buffer_size=2,
                   prefill_chunk=32).generate(prompts, decode)
-    cfg = dataclasses.replace(tiny_cfg(), attention_impl="pallas")
+    cfg = dataclasses.replace(tiny_cfg(kv_quantization=kv), attention_impl="pallas")
     got = Engine(cfg, tiny_params(), batch_size=2, buffer_size=2, prefill_chunk=32).generate(
         prompts, decode)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]

@@ -181,9 +181,6 @@ class ModelConfig:
         _check(rot % 2 == 0, where, f"rotary_fraction * head_dim = {rot} must be even")
         if self.rope_scaling is not None:
             self.rope_scaling.validate(f"{where}.rope_scaling")
-        _check(self.kv_quantization == "none" or self.attention_impl != "pallas", where,
-               f"field 'kv_quantization' {self.kv_quantization} needs attention_impl chunked or "
-               "dense (the Pallas kernel reads a float KV pool)")
         _check(self.max_seq_len % self.block_size == 0, where,
                f"field 'max_seq_len' ({self.max_seq_len}) must be a multiple of 'block_size' "
                f"({self.block_size})")

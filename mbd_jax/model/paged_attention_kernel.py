@@ -16,6 +16,11 @@ Hopper's TMA and warpgroup pipelines (worth it for large prefill tiles, not for 
 tens of queries). Triton needs power-of-two load shapes and matmul sides of at least 16: the
 query tile is padded to a power of two; `page` and `head_dim` must be powers of two >= 16 on GPU
 (`check_shapes`).
+
+An 8-bit pool (model/paged_kv.py: values and a float32 scale per position and kv head) is read
+as it is stored: each key tile's 8-bit values enter the score matmul (cast to the query's dtype)
+and their scales multiply the scores' columns; the value scales multiply the probabilities'
+columns before the second matmul. No dequantized copy of a page is made.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from mbd_jax.model.layers import NEG_INF, block_causal
+from mbd_jax.model.paged_kv import Pool
 
 MAX_QUERY_TILE = 64  # queries per kernel instance (a prefill chunk's are split into tiles)
 KEY_TILE = 64  # keys per loop step, when it divides the page (else the whole page)
@@ -42,10 +48,12 @@ def check_shapes(page: int, head_dim: int) -> str | None:
     return None
 
 
-def _kernel(rows_ref, visible_ref, table_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *,
+def _kernel(rows_ref, visible_ref, table_ref, pos_ref, q_ref, k_ref, v_ref, *refs,
             block_size: int, page: int, keys: int):
     # rows, visible: [B]; table: [B, pages per row]; pos: [TQ]; q: [TQ, Dh];
-    # k, v: [P, page, K, Dh] (the whole layer pool); o: [TQ, Dh]
+    # k, v: [P, page, K, Dh] (the whole layer pool); refs: (k scales, v scales: [P, page, K],
+    # of an 8-bit pool), then o: [TQ, Dh]
+    *scale_refs, o_ref = refs
     b, head = pl.program_id(0), pl.program_id(1)
     row, vis = rows_ref[b], visible_ref[b]
     q, pos = q_ref[...], pos_ref[...]
@@ -65,6 +73,9 @@ def _kernel(rows_ref, visible_ref, table_ref, pos_ref, q_ref, k_ref, v_ref, o_re
         k = k_ref[where, pl.ds(first, keys), head, :].astype(q.dtype)  # [keys, Dh]
         v = v_ref[where, pl.ds(first, keys), head, :].astype(q.dtype)
         s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32)  # [TQ, keys]
+        if scale_refs:  # each key's scale multiplies its column of scores
+            k_scale, v_scale = (r[where, pl.ds(first, keys), head] for r in scale_refs)  # [keys]
+            s = s * k_scale[None, :]
         # [TQ, keys]: the block-causal rule, and nothing from an unmapped page
         mask = block_causal(pos[:, None], i * keys + jnp.arange(keys)[None, :], vis,
                             block_size) & held
@@ -72,7 +83,8 @@ def _kernel(rows_ref, visible_ref, table_ref, pos_ref, q_ref, k_ref, v_ref, o_re
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)  # a query with nothing seen: 0
         corr = jnp.exp(m - m_new)
-        acc = acc * corr[:, None] + plgpu.dot(p.astype(v.dtype), v).astype(jnp.float32)
+        pv = p * v_scale[None, :] if scale_refs else p  # each value's scale, on its column
+        acc = acc * corr[:, None] + plgpu.dot(pv.astype(v.dtype), v).astype(jnp.float32)
         return m_new, l * corr + jnp.sum(p, axis=1), acc
 
     tq, dh = q.shape
@@ -82,18 +94,23 @@ def _kernel(rows_ref, visible_ref, table_ref, pos_ref, q_ref, k_ref, v_ref, o_re
     o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
 
 
-def paged_attention(q: jax.Array, k_layer: jax.Array, v_layer: jax.Array, table: jax.Array,
+def paged_attention(q: jax.Array, k_layer: Pool, v_layer: Pool, table: jax.Array,
                     q_pos: jax.Array, visible_len: jax.Array, block_size: int,
                     rows: jax.Array | None = None, interpret: bool = False) -> jax.Array:
     """Block-causal attention of q over one layer's paged pool (the contract of
     layers.chunked_attention).
 
-    q: [B, T, H, Dh]; k_layer, v_layer: [P, page, K, Dh]; table: [R, pages per row] (the pool
+    q: [B, T, H, Dh]; k_layer, v_layer: [P, page, K, Dh], or an 8-bit pool's (values, scales
+    [P, page, K]) (PagedKV.layer); table: [R, pages per row] (the pool
     page of each cache row's logical page); q_pos: [B, T]; visible_len: [B]; rows: [B] the cache
     row of each query row (None: row b). `interpret`: run in Pallas' interpreter (any platform;
     the GPU kernel otherwise). Returns [B, T, H, Dh].
     """
     b, t, h, dh = q.shape
+    scales = ()
+    if isinstance(k_layer, tuple):  # an 8-bit pool
+        (k_layer, k_scale), (v_layer, v_scale) = k_layer, v_layer
+        scales = (k_scale, v_scale)
     page, kh = k_layer.shape[1], k_layer.shape[2]
     g = h // kh
     # [B, K, G * T, Dh]: a kv head's query heads stacked along the query axis, pre-scaled
@@ -113,13 +130,15 @@ def paged_attention(q: jax.Array, k_layer: jax.Array, v_layer: jax.Array, table:
         in_specs=[whole(rows.shape), whole(visible_len.shape), whole(table.shape),
                   pl.BlockSpec((None, tile), lambda r, k, i: (r, i)),
                   pl.BlockSpec((None, None, tile, dh), lambda r, k, i: (r, k, i, 0)),
-                  whole(k_layer.shape), whole(v_layer.shape)],
+                  whole(k_layer.shape), whole(v_layer.shape),
+                  *(whole(s.shape) for s in scales)],
         out_specs=pl.BlockSpec((None, None, tile, dh), lambda r, k, i: (r, k, i, 0)),
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         interpret=interpret,
         # Triton params select the Triton backend (jax 0.10's default GPU backend is Mosaic GPU)
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
         name="paged_block_causal_attention",
-    )(rows, visible_len.astype(jnp.int32), table.astype(jnp.int32), pos, qg, k_layer, v_layer)
+    )(rows, visible_len.astype(jnp.int32), table.astype(jnp.int32), pos, qg, k_layer, v_layer,
+      *scales)
     out = out[:, :, : g * t].reshape(b, kh, g, t, dh)
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, dh)

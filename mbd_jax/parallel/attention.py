@@ -2,7 +2,8 @@
 partitioner cannot split, so it runs inside `jax.shard_map`, each device on its own shards.
 
     q [B, T, H, Dh]: rows on `data`, query heads on `tensor`
-    k, v pools [P, page, K, Dh]: kv heads on `tensor` (pages replicated: any row's)
+    k, v pools [P, page, K, Dh]: kv heads on `tensor` (pages replicated: any row's); an 8-bit
+    pool's scales [P, page, K] with them
     page table [R, n], the query rows' cache rows and lengths: replicated / like the rows
 
 A device's query heads are exactly the groups of its own kv heads (heads split on `tensor` only
@@ -25,8 +26,11 @@ def sharded_attention(kernel: Callable[..., jax.Array], mesh: Mesh) -> Callable[
     (model/paged_attention_kernel.py's contract) run per shard under `mesh`."""
 
     def run(q, k_layer, v_layer, table, q_pos, visible_len, rows):
-        pool = spec_for(("pages", "page", "kv_heads", "head_dim"), k_layer.shape, mesh)
+        values = k_layer[0] if isinstance(k_layer, tuple) else k_layer
+        pool = spec_for(("pages", "page", "kv_heads", "head_dim"), values.shape, mesh)
         heads = pool[2]  # the query heads split with their kv heads, or not at all
+        if isinstance(k_layer, tuple):  # an 8-bit pool: (values, scales)
+            pool = (pool, P(*pool[:3]))
         batch = spec_for(("batch",), (q.shape[0],), mesh)[0]
         queries = P(batch, None, heads, None)
         local = lambda q, k, v, table, pos, vis, rows: kernel(  # noqa: E731
