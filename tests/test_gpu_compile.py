@@ -105,9 +105,9 @@ def test_decode_and_prefill_compile_for_an_h200_mesh():
     # 8-bit weights and KV pool (int8, fp8) against the same model in bf16: the parameters take
     # about half the bytes (embeddings, norms and routers stay bf16), the pool (Dh + 4) / 2Dh
     # (a float32 scale per vector; Dh 32 here), and the programs hold both as stored (the
-    # argument bytes drop by as much), make no dequantized copy (temporaries no larger), and
-    # the projections' GEMMs take the 8-bit weights as operands (the cast fused into the Triton
-    # GEMM's loads; the experts are dequantized in the copy of their layer slice)
+    # argument bytes drop by as much), make no dequantized copy of the weights, and the GEMMs
+    # take the 8-bit weights as operands (the cast fused into the Triton GEMM's loads; the
+    # experts' ragged_dot scales each row's product by its expert's scales)
     for scheme, eight_bit in (("int8", "s8"), ("fp8", "f8e4m3fn")):
         for name in ("decode", "prefill"):
             q, ref = out[f"tiny-moe {scheme} {name}"], out[f"tiny-moe bf16 {name}"]
@@ -115,7 +115,10 @@ def test_decode_and_prefill_compile_for_an_h200_mesh():
             assert q["kv_bytes"] < 0.65 * ref["kv_bytes"], (scheme, q, ref)
             assert (ref["argument_bytes"] - q["argument_bytes"] == ref["param_bytes"]
                     - q["param_bytes"] + ref["kv_bytes"] - q["kv_bytes"]), (scheme, name, q, ref)
-            assert q["temp_bytes"] <= ref["temp_bytes"], (scheme, name, q, ref)
+            # a dequantized copy of the weights would add twice what they save; the scales'
+            # gathers of the grouped matmul add far less
+            saved = ref["param_bytes"] - q["param_bytes"]
+            assert q["temp_bytes"] <= ref["temp_bytes"] + saved // 2, (scheme, name, q, ref)
             assert q["gemm_operands"].get(eight_bit, 0) >= 4, (scheme, name, q)  # q, k, v, o
             assert set(ref["gemm_operands"]) == {"bf16"}, ref
     # the Pallas kernel reads an 8-bit pool as stored (Triton lowers its scaled loads)

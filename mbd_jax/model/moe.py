@@ -10,7 +10,10 @@ Expert weights (`Experts`) come stacked, [E, D, F], or as a tuple of E per-exper
 layout an engine keeps on one CPU device (model/layout.py, split_experts). XLA:CPU's GEMMs take
 whole buffers, so a matmul reading one expert of a stacked array first copies that expert's
 slice; on a batch-1 decode step those copies were a third of the time. The looped path reads
-per-expert arrays in place; the other paths stack them (a copy).
+per-expert arrays in place; the other paths stack them (a copy). Quantized stacked weights
+(model/quantize.py's Quantized: 8-bit values, scales [E, 1, out]): the ragged path feeds the
+8-bit values to `ragged_dot` and scales each row's product by its expert's scales (XLA:GPU then
+reads the 8-bit operand in its GEMM, no dequantized copy); the others dequantize first.
 """
 
 from __future__ import annotations
@@ -22,24 +25,33 @@ import jax
 import jax.numpy as jnp
 
 from mbd_jax.config import resolve_auto
+from mbd_jax.model.quantize import Quantized, dequantize
 
-
-Experts = jax.Array | tuple[jax.Array, ...]  # [E, ...] stacked, or one [...] array per expert
+# [E, ...] stacked, one [...] array per expert, or stacked 8-bit values with their scales
+Experts = jax.Array | tuple[jax.Array, ...] | Quantized
 
 # The routed experts' weights, as the MoE layer names them (model/transformer.py).
 EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")
 
 
 def stacked(w: Experts) -> jax.Array:
-    """[E, ...]: per-expert arrays stacked (a copy); a stacked array as it is."""
+    """[E, ...]: per-expert arrays stacked (a copy), quantized ones dequantized (in their scales'
+    dtype: cast() gives it); a stacked array as it is."""
+    if isinstance(w, Quantized):
+        return dequantize(w.q, w.scale, w.scale.dtype)
     return jnp.stack(w) if isinstance(w, tuple) else w
 
 
 def num_experts(w: Experts) -> int:
+    if isinstance(w, Quantized):
+        return w.q.shape[0]
     return len(w) if isinstance(w, tuple) else w.shape[0]
 
 
 def cast(w: Experts, dtype) -> Experts:
+    """The weights in `dtype` (quantized ones: their scales, the values staying 8-bit)."""
+    if isinstance(w, Quantized):
+        return Quantized(w.q, w.scale.astype(dtype))
     return tuple(v.astype(dtype) for v in w) if isinstance(w, tuple) else w.astype(dtype)
 
 
@@ -158,17 +170,23 @@ def experts_ragged(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: Exp
     (ragged_dot leaves rows past the groups zero; they are masked anyway). Same contract as
     `experts_dense`.
     """
-    w_gate, w_up, w_down = stacked(w_gate), stacked(w_up), stacked(w_down)
     n, k = ids.shape
-    e = w_gate.shape[0]
+    e = num_experts(w_gate)
     flat_ids = ids.reshape(-1)  # [N*k]
     order = jnp.argsort(flat_ids, stable=True)
     token_of = order // k
     group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)  # drops the id E
+    row_expert = jnp.minimum(flat_ids[order], e - 1)  # [N*k]: each sorted row's expert
+
+    def grouped(lhs, w, **kwargs):  # lhs [N*k, in] x each row's expert's [in, out]
+        if not isinstance(w, Quantized):
+            return jax.lax.ragged_dot(lhs, stacked(w), group_sizes, **kwargs)
+        out = jax.lax.ragged_dot(lhs, w.q.astype(lhs.dtype), group_sizes, **kwargs)
+        return out * w.scale[row_expert, 0].astype(out.dtype)  # [N*k, out]
+
     xs = x[token_of]  # [N*k, D]
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes)) * jax.lax.ragged_dot(
-        xs, w_up, group_sizes)
-    out = jax.lax.ragged_dot(h, w_down, group_sizes, preferred_element_type=jnp.float32)
+    h = jax.nn.silu(grouped(xs, w_gate)) * grouped(xs, w_up)
+    out = grouped(h, w_down, preferred_element_type=jnp.float32)
     routed = (flat_ids[order] < e)[:, None]
     out = jnp.where(routed, out * weights.reshape(-1)[order][:, None], 0.0)
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token_of].add(out).astype(
@@ -257,6 +275,8 @@ def experts_looped(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: Exp
     loops are not reverse-differentiable, so the gradient is the dense path's (the same
     function). Same contract as `experts_dense`.
     """
+    w_gate, w_up, w_down = (stacked(w) if isinstance(w, Quantized) else w
+                            for w in (w_gate, w_up, w_down))
     return _looped(x, ids, weights, w_gate, w_up, w_down).astype(out_dtype or x.dtype)
 
 

@@ -5,7 +5,7 @@ bits when the config quantizes them, and RMSNorm weights in the checkpoint's con
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from mbd_jax.config import ModelConfig
 from mbd_jax.model import quantize
+from mbd_jax.model.quantize import Quantized
 
 
 class Normal(nn.LogicallyPartitioned):
@@ -32,13 +33,6 @@ def param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str,
     else:
         boxed = nn.with_logical_partitioning(init, axes)
     return module.param(name, boxed, shape, jnp.dtype(cfg.param_dtype))
-
-
-class Quantized(NamedTuple):
-    """A quantized weight matrix as a layer reads it (project): the 8-bit values and one scale
-    per output channel, shaped like the weight's output axes."""
-    q: jax.Array
-    scale: jax.Array
 
 
 def weight(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
@@ -82,12 +76,10 @@ def _quantized(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple
 
 def expert_weight(module: nn.Module, name: str, shape: tuple[int, ...],
                   axes: tuple[str, ...]) -> Any:
-    """A routed-expert weight [E, in, out]: the stacked parameter, or the tuple of per-expert
+    """A routed-expert weight [E, in, out]: the stacked parameter (a Quantized pair, scale
+    [E, 1, out], when quantized: the expert paths read it, moe.py), or the tuple of per-expert
     arrays an engine on one CPU device keeps in its place (model/layout.py, split_experts; a
-    quantized weight's scale is split the same way). A quantized one is returned dequantized in
-    the compute dtype (q * scale): the expert paths index experts by the routing, and under a
-    scanned layer loop XLA:GPU fuses the dequantization into the copy of the layer's slice it
-    makes for float weights too (docs/architecture.md)."""
+    quantized weight's scale is split the same way and each expert dequantized here)."""
     scale_name = name + quantize.SCALE_SUFFIX
     if module.has_variable("params", name):
         stored = module.get_variable("params", name)
@@ -99,8 +91,7 @@ def expert_weight(module: nn.Module, name: str, shape: tuple[int, ...],
                          for q, s in zip(stored, scales))
     if module.cfg.quantization == "none":
         return param(module, name, shape, axes, NORMAL)
-    return quantize.dequantize(*_quantized(module, name, shape, axes, (1,)),
-                               module.cfg.compute_dtype)
+    return Quantized(*_quantized(module, name, shape, axes, (1,)))
 
 
 def norm_weight(module: nn.Module, name: str, dim: int, axes: tuple[str, ...]) -> jax.Array:

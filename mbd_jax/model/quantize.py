@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import typing
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,14 @@ SCHEMES: dict[str, Scheme] = {
     "fp8": Scheme(jnp.float8_e4m3fn, 448.0, False),
 }
 assert set(SCHEMES) == set(typing.get_args(Quantization)) - {"none"}
+
+
+class Quantized(NamedTuple):
+    """A quantized weight as a layer reads it: the 8-bit values and their float32 scales (one
+    per output channel; for a projection shaped like its output axes, for stacked experts
+    [E, 1, out])."""
+    q: jax.Array
+    scale: jax.Array
 
 
 def scale_shape(shape: tuple[int, ...], contract: tuple[int, ...]) -> tuple[int, ...]:

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from mbd_jax.model import moe
+from mbd_jax.model.quantize import Quantized
 from mbd_jax.parallel.mesh import spec_for
 
 ExpertFn = Callable[..., jax.Array]
@@ -42,12 +43,14 @@ def sharded_experts(impl: ExpertFn, mesh: Mesh) -> ExpertFn:
         impl = functools.partial(impl, tiles_per_step=TILES_PER_STEP)
 
     def run(x, ids, weights, w_gate, w_up, w_down):
-        # x: [N, D]; ids, weights: [N, k]; w_gate, w_up: [E, D, F]; w_down: [E, F, D]
-        w_in = spec_for(("expert", "embed", "mlp"), w_gate.shape, mesh)
-        w_out = spec_for(("expert", "mlp", "embed"), w_down.shape, mesh)
+        # x: [N, D]; ids, weights: [N, k]; w_gate, w_up: [E, D, F]; w_down: [E, F, D] (or
+        # Quantized: values of those shapes, scales [E, 1, F] / [E, 1, D])
+        w_in, w_out = _spec(w_gate, ("expert", "embed", "mlp")), _spec(w_down, ("expert", "mlp",
+                                                                                  "embed"))
+        values_in = w_in.q if isinstance(w_in, Quantized) else w_in
         rows = spec_for(("batch", None), x.shape, mesh)
-        split_experts = w_in[0] == "expert"
-        reduce_axes = tuple(a for a in ("expert", "tensor") if a in tuple(w_in))
+        split_experts = values_in[0] == "expert"
+        reduce_axes = tuple(a for a in ("expert", "tensor") if a in tuple(values_in))
 
         def local(x, ids, weights, w_gate, w_up, w_down):
             if rows[0] == "data":
@@ -55,9 +58,10 @@ def sharded_experts(impl: ExpertFn, mesh: Mesh) -> ExpertFn:
                 # Marking them varying over `data` here puts the gradient's psum over `data` at
                 # this point, outside the tiled path's per-shard lax.cond (a collective inside a
                 # branch that some data shards skip would deadlock).
-                w_gate, w_up, w_down = (jax.lax.pcast(w, ("data",), to="varying")
-                                        for w in (w_gate, w_up, w_down))
-            e_local = w_gate.shape[0]
+                w_gate, w_up, w_down = (
+                    jax.tree.map(lambda a: jax.lax.pcast(a, ("data",), to="varying"), w)
+                    for w in (w_gate, w_up, w_down))
+            e_local = moe.num_experts(w_gate)
             first = jax.lax.axis_index("expert") * e_local if split_experts else 0
             here = (ids >= first) & (ids < first + e_local)
             out = impl(x, jnp.where(here, ids - first, e_local), weights, w_gate, w_up, w_down,
@@ -68,5 +72,11 @@ def sharded_experts(impl: ExpertFn, mesh: Mesh) -> ExpertFn:
 
         return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, w_in, w_in, w_out),
                              out_specs=rows)(x, ids, weights, w_gate, w_up, w_down)
+
+    def _spec(w, axes):  # the weight's PartitionSpec (a Quantized one: of values and scales)
+        if isinstance(w, Quantized):
+            return Quantized(spec_for(axes, w.q.shape, mesh),
+                             spec_for((axes[0], None, axes[2]), w.scale.shape, mesh))
+        return spec_for(axes, w.shape, mesh)
 
     return run
