@@ -12,6 +12,7 @@ from typing import Any
 from mbd_jax.checkpoint import load_model, save_model, write_manifest
 from mbd_jax.config import load_model_config
 from mbd_jax.errors import UserError
+from mbd_jax.model.sizes import num_params
 
 # What a model directory holds that the copy writes anew; everything else is copied as it is.
 WRITTEN = ("config.yaml", "params", "manifest.json")
@@ -27,15 +28,13 @@ def quantized_copy(src: str | pathlib.Path, dst: str | pathlib.Path, scheme: str
     src, dst = pathlib.Path(src).absolute(), pathlib.Path(dst).absolute()
     if dst == src:
         raise UserError(f"--dst {dst}: is the source directory; write the quantized copy beside it")
-    stored = load_model_config(src / "config.yaml").quantization
-    if stored != "none":
-        raise UserError(f"--src {src}: its weights are already quantized ({stored}); quantize "
-                        "the float model it was made from")
+    stored = load_model_config(src / "config.yaml")
+    if stored.quantization != "none":
+        raise UserError(f"--src {src}: its weights are already quantized ({stored.quantization}); "
+                        "quantize the float model it was made from")
+    if stored.init != "checkpoint":
+        raise UserError(f"--src {src}: its config.yaml holds no weights (init: {stored.init})")
     model = load_model(str(src), runtime={"quantization": scheme})
-    from mbd_jax.model.sizes import num_params
-
-    if model.cfg.init != "checkpoint":
-        raise UserError(f"--src {src}: its config.yaml holds no weights (init: {model.cfg.init})")
     dst.mkdir(parents=True, exist_ok=True)
     for p in sorted(src.iterdir()):
         if p.name in WRITTEN:
