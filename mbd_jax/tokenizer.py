@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import abc
+import dataclasses
+import functools
 import pathlib
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from mbd_jax.errors import ConfigError
 
@@ -21,6 +25,12 @@ class Tokenizer(abc.ABC):
 
     @abc.abstractmethod
     def token_to_id(self, token: str) -> int | None: ...
+
+    @abc.abstractmethod
+    def grammar_tokenizer(self, n_vocab: int, eos_ids: Sequence[int]) -> Any:
+        """This vocabulary as llguidance sees it (an `LLTokenizer`: each token's bytes in the
+        output text, which ones are special), for constrained decoding (grammar/compile.py).
+        `n_vocab`: the model's logits width; `eos_ids`: the tokens that end an output."""
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -47,6 +57,39 @@ class SentencePieceTokenizer(Tokenizer):
         i = self._sp.PieceToId(token)
         return None if i == self._sp.unk_id() and token != self._sp.IdToPiece(i) else i
 
+    def grammar_tokenizer(self, n_vocab: int, eos_ids: Sequence[int]) -> Any:
+        import llguidance
+        import sentencepiece as spm
+        from sentencepiece import sentencepiece_model_pb2
+
+        sp = self._sp
+        special = [i for i in range(sp.GetPieceSize())
+                   if sp.IsControl(i) or sp.IsUnknown(i) or sp.IsUnused(i)
+                   or sp.IdToPiece(i) in self._user_defined]
+        tokens = [bytes([int(sp.IdToPiece(i)[3:5], 16)]) if sp.IsByte(i)
+                  else sp.IdToPiece(i).replace("\u2581", " ").encode() for i in range(sp.GetPieceSize())]
+        # llguidance tokenizes forced text in the middle of an output: no dummy prefix, spaces
+        # kept as they are (a second processor of the same model with those switched off)
+        proto = sentencepiece_model_pb2.ModelProto()
+        proto.ParseFromString(sp.serialized_model_proto())
+        proto.normalizer_spec.add_dummy_prefix = False
+        proto.normalizer_spec.remove_extra_whitespaces = False
+        raw = spm.SentencePieceProcessor()
+        raw.LoadFromSerializedProto(proto.SerializeToString())
+        wrapper = llguidance.TokenizerWrapper(_Vocabulary(
+            tokens, special, list(eos_ids)[0], lambda b: raw.EncodeAsIds(b.decode("utf-8", "replace"))))
+        return llguidance.LLTokenizer(wrapper, n_vocab=n_vocab, eos_token=list(eos_ids))
+
+    @functools.cached_property
+    def _user_defined(self) -> set[str]:
+        """Pieces the model marks as user-defined specials, such as <|mask|> and <|user|>."""
+        from sentencepiece import sentencepiece_model_pb2
+
+        proto = sentencepiece_model_pb2.ModelProto()
+        proto.ParseFromString(self._sp.serialized_model_proto())
+        kind = sentencepiece_model_pb2.ModelProto.SentencePiece.USER_DEFINED
+        return {p.piece for p in proto.pieces if p.type == kind}
+
 
 class HFTokenizer(Tokenizer):
     def __init__(self, path: pathlib.Path):
@@ -69,6 +112,26 @@ class HFTokenizer(Tokenizer):
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def grammar_tokenizer(self, n_vocab: int, eos_ids: Sequence[int]) -> Any:
+        import llguidance
+
+        # llguidance reads a tokenizer.json itself (byte-level BPE, added tokens, specials)
+        return llguidance.LLTokenizer(self._tok.to_str(), n_vocab=n_vocab, eos_token=list(eos_ids))
+
+
+@dataclasses.dataclass
+class _Vocabulary:
+    """What llguidance's TokenizerWrapper reads of a tokenizer it cannot load itself."""
+
+    tokens: list[bytes]
+    special_token_ids: list[int]
+    eos_token_id: int
+    encode: Callable[[bytes], list[int]]
+    bos_token_id: int | None = None
+
+    def __call__(self, text: bytes) -> list[int]:
+        return self.encode(text)
 
 
 def load_tokenizer(path: str | pathlib.Path) -> Tokenizer:

@@ -267,9 +267,13 @@ def from_schema(schema: dict, defs: dict, budget_cap: int = 8) -> st.SearchStrat
 
 
 # What a published schema cannot say: a voting pattern must compile as a regex (and an extractor
-# of "regex" needs one), and a text prompt must leave at least one token once tokenized.
+# of "regex" needs one), a text prompt must leave at least one token once tokenized, and a
+# structured output's schema, regex or grammar must compile (one such field per request).
 def inexpressible(err: dict) -> bool:
-    return ((err.get("param") or "").startswith("decoding.voting")
+    param = err.get("param") or ""
+    return (param.startswith(("decoding.voting", "response_format", "structured_outputs",
+                              "guided_"))
+            or "structured output cannot be combined" in err["message"]
             or "empty prompt; give at least one token" in err["message"])
 
 

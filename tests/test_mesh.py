@@ -106,24 +106,33 @@ ENGINE = textwrap.dedent("""
     import json, jax, numpy as np
     from mbd_jax import compile_stats
     from mbd_jax.checkpoint import load_model
-    from mbd_jax.config import DecodeConfig
+    from mbd_jax.config import DecodeConfig, Structure
     from mbd_jax.engine import Engine
     from mbd_jax.parallel import mesh as meshlib
     prompts = [[1, 20, 31, 42, 53, 64, 75], [1, 9, 8, 7], [1, 100, 200, 300, 33, 44, 55, 66, 77],
                [1, 5]]
     decode = DecodeConfig(buffer_size=2, max_new_tokens=24, ignore_eos=True)  # all 24 tokens
+    schema = {"type": "object", "properties": {"sorted": {"type": "array", "maxItems": 4,
+              "items": {"type": "integer", "minimum": 0, "maximum": 99}}},
+              "required": ["sorted"], "additionalProperties": False}
+    constrained = [DecodeConfig(buffer_size=2, max_new_tokens=48, temperature=t, seed=3,
+                                structure=s) for t, s in [
+        (0.0, Structure.json_schema(schema)), (1.0, Structure("regex", "[a-z]{3,9}")),
+        (0.0, None), (0.5, Structure.json_schema(schema))]]
     def run(mesh, loop="unrolled"):
         model = load_model("tiny-mbd", mesh=mesh, runtime={"layer_loop": loop})
         # row_prefill_min 8: the 9-token prompt's chunk runs over its own row, the rest share
         engine = Engine(model.cfg, model.params, batch_size=4, buffer_size=2, prefill_chunk=16,
-                        mesh=mesh, row_prefill_min=8)
+                        mesh=mesh, row_prefill_min=8, tokenizer=model.tokenizer)
         engine.warmup(buckets=engine.prefill_buckets_for(prompts))  # what the prompts run
         first = [r.token_ids for r in engine.generate(prompts, decode)]
         c0 = compile_stats.compiles()
         again = [r.token_ids for r in engine.generate(prompts[::-1], decode)][::-1]
+        structured = [r.text for r in engine.generate(prompts, constrained)]
         layer_1 = engine.params.get("layer_1") or engine.params["layers_1_4"]  # scan: stacked
         experts = layer_1["moe"]["experts_up"]
         return {"tokens": first, "again": again, "compiles": compile_stats.compiles() - c0,
+                "structured": structured,
                 "kv_local": list(jax.tree.leaves(engine.kv)[0].addressable_shards[0].data.shape)[-4:],
                 "kv_global": list(jax.tree.leaves(engine.kv)[0].shape)[-4:],
                 "kv_stacked": engine.kv.positional.stacked,
@@ -140,13 +149,15 @@ ENGINE = textwrap.dedent("""
 def test_sharded_engine_generates_the_same_tokens():
     """The shipped tiny-mbd generates identical tokens on an 8-device (data, expert, tensor) mesh
     as on one device, its layers scanned under the mesh, its KV buffer and experts split and
-    nothing compiled after warm-up."""
+    nothing compiled after warm-up (constrained rows among them)."""
     out = run_on_8_cpu_devices(ENGINE)
     one = out.pop("one")
     assert [len(t) for t in one["tokens"]] == [24] * 4
+    assert json.loads(one["structured"][0])["sorted"] is not None, one["structured"]
     for spec, got in out.items():
         assert got["tokens"] == one["tokens"], spec
         assert got["again"] == one["tokens"], spec
+        assert got["structured"] == one["structured"], spec
         assert got["compiles"] == 0, spec
         sizes = meshlib.parse_mesh(spec.removeprefix("scan: "), 8)
         p, page, k, dh = got["kv_global"]  # tiny-moe: 2 KV heads, 8 experts of width 128

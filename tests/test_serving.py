@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import pathlib
@@ -13,9 +14,11 @@ import socket
 import subprocess
 import sys
 import time
+import typing
 
 import httpx
 import openai
+import pydantic
 import pytest
 
 from mbd_jax import chat
@@ -176,7 +179,7 @@ def test_64_concurrent_requests_equal_offline(server, offline):
     ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "response_format": {"type": "json_object"}}, "response_format"),
+                              "response_format": {"type": "xml"}}, "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content"),
     ("/v1/completions", {"prompt": "hi", "temperature": 7}, "temperature"),
@@ -541,6 +544,87 @@ def test_chat_stream_with_n_and_usage_developer_role_and_content_parts(server, o
         assert texts[j] == want.text, j
     assert reasons == {0: "length", 1: "length"}
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+
+
+class Point(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    x: int = pydantic.Field(ge=0, le=9)
+    y: int = pydantic.Field(ge=0, le=9)
+
+
+class Shape(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    kind: typing.Literal["circle", "square"]
+    at: Point
+    tags: list[typing.Annotated[str, pydantic.StringConstraints(max_length=3)]] = pydantic.Field(
+        max_length=2)
+
+
+def test_structured_output_through_the_official_client(server, offline):
+    """parse() with a pydantic model returns the parsed object (random weights: the constraint
+    alone makes it valid); json_object; vLLM's structured_outputs and guided_* fields; a stream
+    reassembles to the non-streamed text (greedy), each chunk extending a valid prefix."""
+    c = client(server)
+    messages = [{"role": "user", "content": "Describe a shape."}]
+    for seed in range(3):
+        r = c.chat.completions.parse(model="tiny-test", messages=messages, response_format=Shape,
+                                     max_completion_tokens=200, temperature=1.0, seed=seed)
+        assert isinstance(r.choices[0].message.parsed, Shape), r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop"
+    r = c.chat.completions.create(model="tiny-test", messages=messages, max_tokens=200,
+                                  response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:
+        assert r.choices[0].message.content.startswith("{")
+    r = c.completions.create(model="tiny-test", prompt="Pick:", max_tokens=32,
+                             extra_body={"guided_choice": ["red", "green", "blue"]})
+    assert r.choices[0].text in ("red", "green", "blue")
+    r = c.completions.create(model="tiny-test", prompt="Code:", max_tokens=32, n=2, seed=3,
+                             temperature=1.0,
+                             extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}})
+    assert all(re.fullmatch("[A-Z]{2}-[0-9]{3}", ch.text) for ch in r.choices)
+    body = dict(model="tiny-test", messages=messages, max_tokens=200,
+                response_format={"type": "json_schema", "json_schema": {
+                    "name": "Shape", "schema": Shape.model_json_schema()}})
+    whole = c.chat.completions.create(**body).choices[0].message.content
+    text = ""
+    for ch in c.chat.completions.create(**body, stream=True):
+        if ch.choices and ch.choices[0].delta.content:
+            text += ch.choices[0].delta.content
+            assert whole.startswith(text)  # (validity of each prefix: the offline tests)
+    assert text == whole and Shape.model_validate_json(whole)
+
+
+@pytest.mark.parametrize("extra,param,message", [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "strin"}}}}, "response_format.json_schema.schema", "strin"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "if": {}, "then": {}}}}},
+     "response_format.json_schema.schema", "Unimplemented keys"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+     "response_format", "name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": functools.reduce(lambda inner, _: {"items": inner}, range(25), {})}}},
+     "response_format.json_schema.schema", "nests deeper"),
+    ({"guided_json": json.dumps(functools.reduce(lambda inner, _: [inner], range(40), []))},
+     "guided_json", "nests deeper"),
+    ({"guided_regex": "a" * 40_000}, "guided_regex", "the limit is"),
+    ({"structured_outputs": {"regex": "[a&&b]"}}, "structured_outputs.regex", "matches no text"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"grammar": "start: nowhere"}}, "structured_outputs.grammar",
+     "nowhere"),
+    ({"guided_json": {"type": "object"}, "guided_regex": "a+"}, "guided_regex",
+     "both constrain"),
+    ({"guided_choice": "red"}, "guided_choice", "list of strings"),
+])
+def test_bad_structured_output_requests_are_400_naming_the_field(server, extra, param, message):
+    body = {"messages": [{"role": "user", "content": "hi"}], **extra}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body,
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and message in err["message"], err
 
 
 def test_top_k_one_is_greedy_at_any_temperature(server):

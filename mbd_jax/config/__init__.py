@@ -20,6 +20,7 @@ from mbd_jax.config.serving import (GENERATION_FILE, GENERATION_SECTIONS, CacheC
                                     GenerationConfig, MonitoringConfig, SchedulerConfig,
                                     ServeConfig, ServerConfig,
                                     load_serve_config, model_generation_settings, serve_env_names)
+from mbd_jax.config.structure import Structure, StructureKind
 from mbd_jax.errors import ConfigError
 
 __all__ = [
@@ -36,5 +37,6 @@ __all__ = [
     "GENERATION_FILE", "GENERATION_SECTIONS", "CacheConfig", "GenerationConfig",
     "MonitoringConfig", "SchedulerConfig", "ServeConfig", "ServerConfig", "load_serve_config",
     "model_generation_settings", "serve_env_names",
+    "Structure", "StructureKind",
     "ConfigError",
 ]

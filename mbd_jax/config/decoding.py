@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from mbd_jax import user_regex
 from mbd_jax.config.fields import _check, _check_range, from_dict
+from mbd_jax.config.structure import Structure
 from mbd_jax.errors import ConfigError
 
 UnmaskPolicy = Literal["threshold", "fixed_steps", "factor"]  # decoding/policy.py
@@ -69,11 +70,18 @@ class DecodeConfig:
     ignore_eos: bool = False  # decode all max_new_tokens past EOS (benchmarks: fixed work per row)
     max_nfe: int = 1024  # decode forwards per request
     voting: VotingConfig | None = None
+    # the output must match this grammar (a JSON Schema, a regex, ...: config/structure.py)
+    structure: Structure | None = None
 
     def validate(self, where: str = "decoding") -> None:
         for field, (lo, hi) in RANGES.items():
             _check_range(self, where, field, lo, hi)
         _check(0.0 < self.top_p <= 1.0, where, f"field 'top_p' must be in (0, 1], got {self.top_p}")
+        if self.structure is not None:
+            _check(self.voting is None, where, "structured output cannot be combined with "
+                   "field 'voting' (voting picks an answer out of unconstrained predictions)")
+            _check(not self.ignore_eos, where, "structured output cannot be combined with "
+                   "field 'ignore_eos' (a constrained output ends where its grammar does)")
 
     def tokens_per_step(self, block_size: int) -> int:
         return max(1, -(-block_size // self.steps_per_block))

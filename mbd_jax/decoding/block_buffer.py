@@ -32,9 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mbd_jax.decoding import gate as grammar_gate
+from mbd_jax.decoding.gate import NO_POSITION
+
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH, FINISH_MAX_NFE = 0, 1, 2, 3  # state.finish values
 FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_MAX_NFE: "max_nfe"}
-NO_POSITION = 2**30
 
 
 @flax.struct.dataclass
@@ -87,6 +89,11 @@ class DecodeState:
     violations: jax.Array  # [B] steps that broke an invariant (counted in debug mode only)
     trajectory: jax.Array  # [B, R, L] full prediction of the first L generated positions at each
     #                        step (ring buffer of R steps; R = L = 0 when not recorded)
+    # Constrained rows (decoding/gate.py, set by the host between calls: grammar/row.py): the
+    # first generated position the grammar has not accepted (NO_POSITION: no grammar), and the
+    # token mask there. A row commits blocks and ends only before its validated end.
+    gate: jax.Array  # [B] int32
+    allowed: jax.Array  # [B, words] uint32
     params: RowParams
 
 
@@ -146,7 +153,10 @@ def advance(state: DecodeState, new_window: jax.Array, filled_now: jax.Array, ed
     slot_steps = state.slot_steps + (active & live[:, None])
     settled = (~p.edit[:, None] | ~changed | confirmed_by_context
                | (slot_steps >= p.max_block_steps[:, None]))
-    final = jnp.all(filled_slots, axis=-1) & settled  # [B, N]
+    # a constrained row's blocks commit only inside the text its grammar accepted
+    vend = grammar_gate.validated_end(state.gate, canvas, mask_token_id)
+    inside = state.cached_len[:, None] + (slot + 1) * blk <= vend[:, None]
+    final = jnp.all(filled_slots, axis=-1) & settled & inside  # [B, N]
     kept = filled_slots & (greedy.reshape(b, n, blk) == new_window.reshape(b, n, blk))
     stability = jnp.sum(kept, -1) / jnp.maximum(jnp.sum(filled_slots, -1), 1)
 
@@ -160,10 +170,13 @@ def advance(state: DecodeState, new_window: jax.Array, filled_now: jax.Array, ed
     gap = ~filled & generated & (pos < stop_pos[:, None])
     stop_slot = (stop_pos - 1 - state.cached_len) // blk
     unsettled = jnp.any(~settled & (slot <= stop_slot[:, None]), axis=1)
-    complete_text = ~jnp.any(gap, axis=1) & (stop_pos <= state.cached_len + w) & ~unsettled
+    complete_text = (~jnp.any(gap, axis=1) & (stop_pos <= state.cached_len + w) & ~unsettled
+                     & (stop_pos <= vend))
     # Where the text stops if the nfe budget runs out first: the first masked generated position
-    # (everything before cached_len is filled, so it lies in the window).
+    # (everything before cached_len is filled, so it lies in the window), or a constrained
+    # row's validated end.
     first_gap = jnp.min(jnp.where(~filled & generated, pos, state.cached_len[:, None] + w), axis=1)
+    first_gap = jnp.minimum(first_gap, vend)
     nfe = state.nfe + live
     finish = jnp.where(complete_text, jnp.where(first_eos < p.limit, FINISH_STOP, FINISH_LENGTH),
                        FINISH_MAX_NFE)
@@ -242,7 +255,35 @@ def check_invariants(state: DecodeState, *, block_size: int, n_slots: int,
     bad |= (state.n_to_cache < 0) | (state.n_to_cache > state.n_valid)
     bad |= state.n_valid > jnp.minimum(state.params.buffer_size, n)
     bad |= jnp.any(masked & (committed | to_cache), axis=1)
+    # a constrained row's accepted text has no hole, and nothing past it is committed
+    accepted = (pos >= state.prompt_len[:, None]) & (pos < state.gate[:, None])
+    bad |= grammar_gate.constrained(state.gate) & (
+        jnp.any(masked & accepted, axis=1)
+        | (state.cached_len + state.n_to_cache * blk > grammar_gate.validated_end(
+            state.gate, state.canvas, mask_token_id)))
     return bad
+
+
+def with_gates(state: DecodeState, gate: jax.Array, allowed: jax.Array, clear: jax.Array,
+               rows: jax.Array, *, mask_token_id: int) -> DecodeState:
+    """The host's grammar step (grammar/row.py) written back: rows `rows` [B] bool take gate [B]
+    and allowed [B, words], and where `clear` [B] the token at their new gate (one the grammar
+    rejects) becomes MASK again."""
+    b = state.canvas.shape[0]
+    new_gate = jnp.where(rows, gate, state.gate)
+    at = jnp.minimum(new_gate, state.canvas.shape[1] - 1)
+    current = state.canvas[jnp.arange(b), at]
+    canvas = state.canvas.at[jnp.arange(b), at].set(
+        jnp.where(rows & clear, mask_token_id, current))
+    return state.replace(canvas=canvas, gate=new_gate,
+                         allowed=jnp.where(rows[:, None], allowed, state.allowed))
+
+
+def needs_host(state: DecodeState, mask_token_id: int) -> jax.Array:
+    """[B] bool: live constrained rows whose gate the loop filled: the grammar must consume it
+    (on the host) before they can go further."""
+    vend = grammar_gate.validated_end(state.gate, state.canvas, mask_token_id)
+    return ~state.done & grammar_gate.constrained(state.gate) & (vend > state.gate)
 
 
 def record_prediction(state: DecodeState, window_prediction: jax.Array) -> DecodeState:
@@ -265,11 +306,14 @@ def record_prediction(state: DecodeState, window_prediction: jax.Array) -> Decod
 
 def initial_state(prompts: list[np.ndarray], capacity: int, block_size: int, n_slots: int,
                   mask_token_id: int, params: RowParams, record: tuple[int, int] = (0, 0),
-                  put: Callable[[np.ndarray], jax.Array] = jax.device_put) -> DecodeState:
+                  put: Callable[[np.ndarray], jax.Array] = jax.device_put,
+                  gate: np.ndarray | None = None, allowed: np.ndarray | None = None
+                  ) -> DecodeState:
     """Rows start with their full prompt blocks cached (after prefill) and one ACTIVE block: the
     block holding the first generated position, with its prompt positions fixed (eager
     activation: every slot whose block starts before the row's limit). `put` moves a
-    host array to the device(s) (the engine's: replicated over its mesh)."""
+    host array to the device(s) (the engine's: replicated over its mesh). `gate` [B] and
+    `allowed` [B, words]: the constrained rows' gates and masks (default: no row has one)."""
     b = len(prompts)
     # The canvas is record[1] wider than the KV capacity so the recorded region of any row fits.
     canvas = np.full((b, capacity + record[1]), mask_token_id, np.int32)
@@ -298,5 +342,7 @@ def initial_state(prompts: list[np.ndarray], capacity: int, block_size: int, n_s
         max_active=put(n_valid),
         violations=put(zeros),
         trajectory=put(np.full((b, *record), mask_token_id, np.int32)),
+        gate=put(np.full(b, NO_POSITION, np.int32) if gate is None else gate.astype(np.int32)),
+        allowed=put(np.zeros((b, 1), np.uint32) if allowed is None else allowed.astype(np.uint32)),
         params=params,
     )

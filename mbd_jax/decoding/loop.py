@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from mbd_jax.config import ModelConfig
-from mbd_jax.decoding import block_buffer, policy
+from mbd_jax.decoding import block_buffer, gate, policy
 from mbd_jax.decoding.block_buffer import DecodeState
 from mbd_jax.model.forward_meta import ForwardMeta
 
@@ -89,6 +89,8 @@ def decode_step(params: Any, state: DecodeState, kv: Cache, rows: jax.Array | No
     else:
         logits, kv = apply_fn({"params": params}, win, meta, kv)
 
+    # a constrained row's gate position takes only what its grammar allows there
+    logits = gate.mask_logits(logits, state.gate - state.cached_len, state.allowed)
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(p.seed, state.nfe)
     token, confidence, greedy = policy.predict(logits, cfg.mask_token_id, p.temperature, p.top_k,
                                                p.top_p, keys)
@@ -105,9 +107,10 @@ def decode_step(params: Any, state: DecodeState, kv: Cache, rows: jax.Array | No
     filled_now = policy.select(confidence, maskable, prev_fill, p.policy, p.accept_threshold,
                                p.tokens_per_step, p.factor, p.semi_complete_threshold, n_slots)
     # Edit mode: a generated token in an ACTIVE block is rewritten when the model now prefers
-    # another token with confidence above edit_threshold.
-    generated = positions >= state.prompt_len[:, None]
-    edited = (~masked & active & generated & p.edit[:, None] & (token != win)
+    # another token with confidence above edit_threshold (not text a grammar has accepted).
+    editable = positions >= state.prompt_len[:, None]
+    editable &= ~(gate.constrained(state.gate)[:, None] & (positions < state.gate[:, None]))
+    edited = (~masked & active & editable & p.edit[:, None] & (token != win)
               & (confidence > p.edit_threshold[:, None]))
     new_win = jnp.where(filled_now | edited, token, win)
     written = jnp.where(filled_now | edited, jnp.log(jnp.maximum(confidence, 1e-30)),
@@ -129,8 +132,9 @@ def decode_step(params: Any, state: DecodeState, kv: Cache, rows: jax.Array | No
 def decode_loop(params: Any, state: DecodeState, kv: Cache, max_steps: jax.Array,
                 rows: jax.Array | None = None, *, apply_fn: ApplyFn, cfg: ModelConfig,
                 n_slots: int, debug: bool = False) -> tuple[DecodeState, Cache, jax.Array]:
-    """Runs decode steps on device until `max_steps` forwards ran or some row finished (so the
-    host can refill it, or return it). Returns the steps run. `rows`: the cache row of each
+    """Runs decode steps on device until `max_steps` forwards ran, some row finished (so the
+    host can refill it, or return it) or a constrained row's gate was filled (its grammar, on
+    the host, must consume it: block_buffer.needs_host). Returns the steps run. `rows`: the cache row of each
     state row (a state of a few of the cache's rows: only those compute).
 
     With a buffer of several blocks, each step forwards only the slots some live row uses
@@ -151,7 +155,9 @@ def decode_loop(params: Any, state: DecodeState, kv: Cache, max_steps: jax.Array
             st, cache, steps, _ = carry
             new_st, cache = decode_step(params, st, cache, rows, apply_fn=apply_fn, cfg=cfg,
                                         n_slots=n_slots, debug=debug, compute_slots=compute_slots)
-            return new_st, cache, steps + 1, jnp.any(new_st.done & ~st.done)
+            event = jnp.any(new_st.done & ~st.done) | jnp.any(
+                block_buffer.needs_host(new_st, cfg.mask_token_id))
+            return new_st, cache, steps + 1, event
         return body
 
     carry = (state, kv, jnp.asarray(0, jnp.int32), jnp.asarray(False))

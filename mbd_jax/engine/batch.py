@@ -34,6 +34,8 @@ from mbd_jax.engine.rows import EngineRequest, Row, RowTable
 from mbd_jax.engine.runner import Runner
 from mbd_jax.engine.stats import RECENT_CALLS, EngineStats
 from mbd_jax.errors import UserError
+from mbd_jax.grammar.compile import Grammars
+from mbd_jax.grammar.row import RowGrammar
 from mbd_jax.model.cache import ModelCache
 from mbd_jax.parallel import mesh as meshlib
 from mbd_jax.tokenizer import Tokenizer
@@ -77,6 +79,8 @@ class Batch:
         self.row_prefill_min = row_prefill_min
         self.debug = debug
         self.tokenizer = tokenizer
+        # structured output: grammars compiled against the tokenizer (grammar/compile.py)
+        self.grammars = Grammars(tokenizer, cfg.vocab_size, cfg.eos_token_ids, cfg.mask_token_id)
         self.record = (record_steps, record_len) if record_steps > 0 and record_len > 0 else (0, 0)
         # (seconds, decode steps) of the latest decode calls, for benches and metrics (stats())
         self._call_log: collections.deque[tuple[float, int]] = collections.deque(maxlen=RECENT_CALLS)
@@ -143,6 +147,8 @@ class Batch:
 
     def check_decode(self, d: DecodeConfig, where: str = "decoding") -> None:
         checks.check_decode(d, self.buffer_size, self.can_vote, where)
+        if d.structure is not None:  # compiled now (kept for the admission), or refused
+            self.grammars.check(d.structure, f"{where}.structure.source")
 
     def check_fits(self, prompt: Sequence[int], d: DecodeConfig, where: str = "decoding") -> None:
         self.plan.check_fits(prompt, d, where)
@@ -202,6 +208,7 @@ class Batch:
                                            shared=hit)
             row.prefilled = len(hit) * self.pages.page
             row.prefill_end = len(prompt) // self.cfg.block_size * self.cfg.block_size
+            row.grammar = self.grammars.row(request.decode.structure, len(prompt))
             self.pool_hit_tokens += row.prefilled
             admitted[index], prompts[index], decodes[index] = True, prompt, request.decode
         self.runner.set_table(self._page_table())
@@ -214,7 +221,9 @@ class Batch:
                     row.offload = OffloadProgress(row.prefilled // self.cfg.block_size)
             request.cached_tokens = row.prefilled
             self.prefix_hit_tokens += row.prefilled
-        return Admission(rows=admitted, fresh=self.initial_state(prompts, decodes, done=~admitted))
+        grammars = [self.rows[i].grammar if i in requests else None for i in range(self.batch_size)]
+        return Admission(rows=admitted, fresh=self.initial_state(prompts, decodes, done=~admitted,
+                                                                 grammars=grammars))
 
     def prefill_step(self, adm: Admission) -> bool:
         """The next prefill chunk of every admitted row with prompt blocks left; True once all
@@ -309,13 +318,19 @@ class Batch:
         return admission.bucket(tokens, self.cfg.block_size, self.prefill_ready)
 
     def initial_state(self, prompts: list[np.ndarray], decodes: list[DecodeConfig],
-                      done: np.ndarray | None = None) -> DecodeState:
-        """The rows' fresh state on the device (`done`: rows that start free)."""
+                      done: np.ndarray | None = None,
+                      grammars: Sequence[RowGrammar | None] = ()) -> DecodeState:
+        """The rows' fresh state on the device (`done`: rows that start free; `grammars`: the
+        constrained rows' gates and masks, by row)."""
+        gate = np.full(len(prompts), block_buffer.NO_POSITION, np.int32)
+        allowed = np.zeros((len(prompts), self.grammars.words), np.uint32)
+        for i, g in enumerate(grammars):
+            if g is not None:
+                gate[i], allowed[i] = g.gate, g.mask
         host = block_buffer.initial_state(prompts, self.capacity, self.cfg.block_size,
                                           self.buffer_size, self.cfg.mask_token_id,
                                           admission.row_params(self.cfg, prompts, decodes),
-                                          self.record,
-                                          put=np.asarray)
+                                          self.record, put=np.asarray, gate=gate, allowed=allowed)
         if done is not None:
             host = host.replace(done=done)
         return self.runner.put_rows(host)
@@ -354,7 +369,25 @@ class Batch:
             if np.any(violations):
                 raise RuntimeError(f"Block Buffer invariant broken in rows "
                                    f"{np.nonzero(violations)[0].tolist()} (debug mode)")
-        return state
+        return self._advance_grammars(state)
+
+    def _advance_grammars(self, state: DecodeState) -> DecodeState:
+        """After a decode call: each live constrained row's grammar consumes the run its loop
+        filled at the gate, and the new gates, masks and rejected tokens go back to the device
+        (grammar/row.py). Nothing is fetched without such a row."""
+        rows = [(i, r.grammar) for i, r in self.rows.items()
+                if r.grammar is not None and not r.prefilling]
+        if not rows:
+            return state
+        window, cached_len, done = self.runner.gate_view(state)
+        b = self.batch_size
+        gate, clear, update = np.zeros(b, np.int32), np.zeros(b, bool), np.zeros(b, bool)
+        allowed = np.zeros((b, self.grammars.words), np.uint32)
+        for i, grammar in rows:
+            if not done[i]:
+                clear[i] = grammar.advance(window[i], int(cached_len[i]))
+                gate[i], allowed[i], update[i] = grammar.gate, grammar.mask, True
+        return self.runner.set_gates(state, gate, allowed, clear, update) if update.any() else state
 
     def run_decode(self, state: DecodeState, max_calls: int | None = None) -> DecodeState:
         """Decode calls until every row is done (or max_calls calls ran)."""

@@ -21,6 +21,7 @@ import numpy as np
 
 from mbd_jax.config import DATA_ROOT, DecodeConfig, ModelConfig
 from mbd_jax.decoding import block_buffer
+from mbd_jax.decoding.gate import mask_words
 from mbd_jax.engine import admission
 from mbd_jax.engine.page_plan import pool_size
 from mbd_jax.engine.programs import programs
@@ -150,7 +151,8 @@ def compile_engine(cfg: ModelConfig, mesh: jax.sharding.Mesh, shape: EngineShape
     decodes = [DecodeConfig(buffer_size=shape.buffer_size)] * b
     host = block_buffer.initial_state(prompts, capacity, cfg.block_size, shape.buffer_size,
                                       cfg.mask_token_id,
-                                      admission.row_params(cfg, prompts, decodes), put=np.asarray)
+                                      admission.row_params(cfg, prompts, decodes), put=np.asarray,
+                                      allowed=np.zeros((b, mask_words(cfg.vocab_size)), np.uint32))
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
                          host)
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)

@@ -10,8 +10,10 @@ from mbd_jax.decoding.block_buffer import DecodeState
 
 
 def host_tree(state: DecodeState, logprobs: bool) -> DecodeState:
-    """What a view fetches: no voting trajectories, log-probabilities only if asked."""
-    return state.replace(trajectory=None, logprob=state.logprob if logprobs else None)
+    """What a view fetches: no voting trajectories or grammar masks, log-probabilities only if
+    asked."""
+    return state.replace(trajectory=None, allowed=None,
+                         logprob=state.logprob if logprobs else None)
 
 
 class HostViews:

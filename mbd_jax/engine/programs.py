@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from mbd_jax.config import ModelConfig
-from mbd_jax.decoding import loop
+from mbd_jax.decoding import block_buffer, loop
 from mbd_jax.decoding.block_buffer import DecodeState
 from mbd_jax.engine import transfer
 from mbd_jax.model import sharding
@@ -38,6 +38,8 @@ class Programs:
     merge: Callable  # (old, new, rows [B] bool) -> old's rows replaced by new's where rows
     take_row: Callable  # (state, row) -> that row's state
     put_row: Callable  # (state, sub, row) -> state with row replaced by sub  (state donated)
+    gate_view: Callable  # (state) -> (window [B, W], cached_len [B], done [B]): what grammars read
+    set_gates: Callable  # (state, gate, allowed, clear, rows) -> state  (state donated)
 
 
 def _merge_rows(old: DecodeState, new: DecodeState, rows: jax.Array) -> DecodeState:
@@ -74,6 +76,13 @@ def programs(cfg: ModelConfig, mesh: jax.sharding.Mesh, batch_size: int, capacit
         put_row=jax.jit(
             lambda state, sub, row: jax.tree.map(lambda a, b: a.at[row].set(b), state, sub),
             donate_argnums=0, out_shardings=replicated),
+        # constrained rows, between decode calls (grammar/row.py)
+        gate_view=jax.jit(lambda state: (block_buffer.window(state, buffer_size * cfg.block_size),
+                                         state.cached_len, state.done),
+                          out_shardings=replicated),
+        set_gates=jax.jit(functools.partial(block_buffer.with_gates,
+                                            mask_token_id=cfg.mask_token_id),
+                          donate_argnums=0, out_shardings=replicated),
     )
 
 

@@ -22,6 +22,7 @@ from mbd_jax.cache.offload import OffloadProgress
 from mbd_jax.config import DecodeConfig
 from mbd_jax.engine.prefix import PrefixHit
 from mbd_jax.engine.results import GenerationResult
+from mbd_jax.grammar.row import RowGrammar
 
 
 @dataclasses.dataclass(eq=False)
@@ -56,6 +57,7 @@ class Row:
     prefilling: bool = True  # its admission's prefill is not finished (not decoding yet)
     emitted: int = 0  # generated tokens handed out in events
     ending: str | None = None  # "cancel" (free it, no result) or "stop" (finish it as stopped)
+    grammar: RowGrammar | None = None  # a constrained request's matcher and gate
     prompt: np.ndarray = dataclasses.field(init=False)  # request.prompt as int32, made once
 
     def __post_init__(self) -> None:

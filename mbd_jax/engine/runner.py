@@ -51,6 +51,7 @@ class Runner:
         self._prefill, self._decode, self._merge = progs.prefill, progs.decode, progs.merge
         self._decode_one = progs.decode  # one running row alone
         self._take_row, self._put_row = progs.take_row, progs.put_row
+        self._gate_view, self._set_gates = progs.gate_view, progs.set_gates
         self._row_ids = [self.put(np.array([i], np.int32)) for i in range(batch_size)]
         self._table: np.ndarray | None = None  # a page table not yet sent to the device
         self._kv = self._allocate_kv()
@@ -147,6 +148,16 @@ class Runner:
                                                    self.kv, np.int32(max_steps), ids)
             state = self._put_row(state, sub, ids)
         return state, int(steps)
+
+    def gate_view(self, state: DecodeState) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(window [B, W], cached_len [B], done [B]) on the host: what constrained rows'
+        grammars read after a decode call (one small transfer, not the whole canvas)."""
+        return jax.device_get(self._gate_view(state))
+
+    def set_gates(self, state: DecodeState, gate: np.ndarray, allowed: np.ndarray,
+                  clear: np.ndarray, rows: np.ndarray) -> DecodeState:
+        """`state` with the grammars' new gates and masks (block_buffer.with_gates)."""
+        return self._set_gates(state, *self.put([gate, allowed, clear, rows]))
 
     def merge(self, state: DecodeState, fresh: DecodeState, rows: np.ndarray) -> DecodeState:
         """`state` with the rows `rows` selects ([B] bool) replaced by `fresh`'s."""

@@ -79,10 +79,14 @@ def warmup(engine, progress: Callable[[str], None] | None = None,
                      for _ in range(rows)], max_steps=1)
     # the merge of an admission into running rows (the step skips it when no other row runs),
     # the host views a decode call's readers fetch (with and without the log-probabilities)
-    # and the whole state results() fetches: each its own program (transfer.py)
+    # and the whole state results() fetches: each its own program (transfer.py); the
+    # constrained rows' read and write-back between decode calls
     state = engine.runner.merge(engine.empty_state(), engine.empty_state(), np.zeros(b, bool))
     for tree in (host_tree(state, True), host_tree(state, False), state):
         engine.runner.fetch_rows(tree)
+    engine.runner.gate_view(state)
+    engine.runner.set_gates(state, zeros_b, np.zeros((b, engine.grammars.words), np.uint32),
+                            np.zeros(b, bool), np.zeros(b, bool))
     jax.block_until_ready(engine.kv)
     say(f"warm-up done in {time.perf_counter() - t_start:.1f} s"
         + (f" (prefill buckets {', '.join(map(str, later))} to follow)" if later else ""))

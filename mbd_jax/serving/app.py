@@ -21,10 +21,10 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 
 from mbd_jax import __version__, chat
-from mbd_jax.config import DecodeConfig, ServeConfig, from_dict
+from mbd_jax.config import DecodeConfig, ServeConfig, Structure, from_dict
 from mbd_jax.errors import UserError
 from mbd_jax.stop_strings import StopStrings
-from mbd_jax.serving import keys, protocol
+from mbd_jax.serving import keys, protocol, structured
 from mbd_jax.serving.body import BodyError, parse_object
 from mbd_jax.serving.request import Request
 from mbd_jax.serving.refusals import Draining, EngineDown, QueueFull
@@ -172,6 +172,10 @@ class Service:
         base = self.cfg.decode_defaults(thinking)
         limit = gen.thinking_max_new_tokens if thinking else gen.max_new_tokens_limit
         overrides = dict(req.decoding or {})
+        if "structure" in overrides:  # one way in over HTTP: the OpenAI / vLLM fields
+            raise HTTPError(400, "decoding: field 'structure' is not taken here; ask for "
+                                 "structured output with response_format or structured_outputs",
+                            param="decoding.structure")
         budget = getattr(req, max_field)
         if max_field == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
             max_field, budget = "max_completion_tokens", req.max_completion_tokens
@@ -197,6 +201,9 @@ class Service:
                                  "server", param="decoding.max_nfe")
         if req.seed is not None:
             overrides["seed"] = req.seed % 2**31
+        structure = self.structure(req)
+        if structure is not None:
+            overrides["structure"] = structure
         seeded = overrides.get("seed") is not None
         if not seeded:
             overrides["seed"] = 0  # replaced per choice below
@@ -211,6 +218,23 @@ class Service:
         seeds = ([(d.seed + j) % 2**31 for j in range(count)] if seeded
                  else [secrets.randbelow(2**31) for _ in range(count)])
         return [dataclasses.replace(d, seed=s) for s in seeds], max_field if budget is not None else None
+
+    def structure(self, req: Any) -> Structure | None:
+        """The structured output the request asks for (structured.py), compiled against the
+        model's tokenizer: 400 naming the field that holds it if it cannot be."""
+        try:
+            asked = structured.requested(req)
+        except structured.Conflict as e:
+            raise HTTPError(400, str(e), param=e.param) from None
+        if asked is None:
+            return None
+        structure, param = asked
+        try:
+            structure.check_source(param)
+            self.scheduler.engine.grammars.check(structure, param)
+        except UserError as e:  # (ConfigError is one)
+            raise HTTPError(400, str(e), param=param) from None
+        return structure
 
     def encode(self, prompt: str | list[int], param: str) -> list[int]:
         """Prompt text or token ids -> checked token ids."""

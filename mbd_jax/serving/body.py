@@ -12,7 +12,11 @@ import json
 import re
 from typing import Any
 
-MAX_DEPTH = 16  # the deepest real request (chat content parts) is 4 levels
+from mbd_jax.config.structure import MAX_SCHEMA_DEPTH
+
+# the deepest real request: a JSON Schema (MAX_SCHEMA_DEPTH levels of its own) under
+# response_format.json_schema.schema or tools[i].function.parameters
+MAX_DEPTH = MAX_SCHEMA_DEPTH + 8
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 

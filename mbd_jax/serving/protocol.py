@@ -6,8 +6,10 @@ Three kinds of OpenAI field:
 - harmless: they do not change the output here (store, metadata, user, ...); accepted, and the
   ones that would matter elsewhere are named in one warning line per request (`ignored()`);
 - unsupported at anything but their neutral value (logprobs, penalties, logit_bias, tools,
-  response_format other than text, echo, best_of, suffix): any other value is a 400 naming the
-  field, because silently ignoring it would change what the client gets.
+  echo, best_of, suffix): any other value is a 400 naming the field, because silently ignoring
+  it would change what the client gets.
+Structured output (response_format, vLLM's structured_outputs and guided_*) is read by
+structured.py.
 Fields outside the schema are a 400 that lists the allowed ones (a typo must not pass silently).
 
 Validation is strict (no "5" for 5, no true for 1). `error_of` turns pydantic's first error into
@@ -24,6 +26,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSche
 
 from mbd_jax.config import DecodeConfig
 from mbd_jax.config.decoding import RANGES
+from mbd_jax.serving import structured
 
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string
@@ -159,7 +162,13 @@ CompletionLogprobs = _one_of(_check_completion_logprobs, {"enum": [0, False, Non
 NoEcho = _unsupported(False, None, what="false")
 NoBestOf = _unsupported(1, None, what="1")
 NoSuffix = _unsupported(None, "", what="null")
-TextFormat = _unsupported({"type": "text"}, None, what='{"type": "text"}')
+ResponseFormat = _one_of(structured.check_response_format, structured.RESPONSE_FORMAT_SCHEMA)
+StructuredOutputs = _one_of(structured.check_structured_outputs,
+                            structured.STRUCTURED_OUTPUTS_SCHEMA)
+GuidedJson = _one_of(structured.check_guided_json, structured.GUIDED_JSON_SCHEMA)
+GuidedChoice = _one_of(structured.check_guided_choice, structured.GUIDED_CHOICE_SCHEMA)
+GuidedRegex = _one_of(structured.check_guided_text("regex"), structured.GUIDED_TEXT_SCHEMA)
+GuidedGrammar = _one_of(structured.check_guided_text("grammar"), structured.GUIDED_TEXT_SCHEMA)
 NoTools = _unsupported([], None, what="[] or null (tool calls are not supported)")
 NoToolChoice = _unsupported("none", None, what='"none" or null')
 
@@ -198,6 +207,13 @@ class _Sampling(_Body):
     decoding: dict[str, Any] | None = Field(
         default=None, description="mbd-jax decoding settings (DecodeConfig fields)")
     thinking: bool | None = Field(default=None, description="mbd-jax: thinking mode on or off")
+    # Structured output (structured.py): at most one of these.
+    response_format: ResponseFormat = None
+    structured_outputs: StructuredOutputs = None
+    guided_json: GuidedJson = None
+    guided_regex: GuidedRegex = None
+    guided_choice: GuidedChoice = None
+    guided_grammar: GuidedGrammar = None
     # OpenAI fields that would change the output: only their neutral values (see above).
     frequency_penalty: NoPenalty = None
     presence_penalty: NoPenalty = None
@@ -231,7 +247,6 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool | None = None
     top_logprobs: NoTopLogprobs = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
-    response_format: TextFormat = None
     tools: NoTools = None
     tool_choice: NoToolChoice = None
     reasoning_effort: str | None = None  # harmless: thinking is on/off here (`thinking`)
@@ -338,6 +353,8 @@ def decoding_schema(limits: Limits) -> tuple[dict[str, Any], dict[str, Any]]:
     defs["VotingConfig"]["properties"]["alpha"].update(minimum=0, maximum=100)
     if not limits.can_vote:
         del props["voting"]
+    del props["structure"]  # asked for by response_format / structured_outputs (structured.py)
+    defs.pop("Structure", None)
     for obj in (schema, defs["VotingConfig"]):
         obj["additionalProperties"] = False
     return schema, defs
