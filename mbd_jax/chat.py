@@ -7,6 +7,11 @@ SGLang do), else a built-in template per model family; a thinking on/off switch 
 
 - `plain` (the tiny presets): `<|role|> content` lines, then `<|assistant|>`; thinking on opens
   `<think>`.
+
+Tools (tool_calls.py): a built-in template shows the offered functions as a system line before
+the conversation, an assistant turn's calls as `<tool_call>` text and a `tool` message as a user
+turn holding `<tool_response>`; a Jinja template gets `tools` and the messages as they are (calls'
+arguments as objects, the Hugging Face convention).
 - `qwen` (SDAR / Qwen3): `<|im_start|>role\ncontent<|im_end|>\n` ... `<|im_start|>assistant\n`;
   thinking off closes an empty think section (`<think>\n\n</think>\n\n`), the Qwen3 convention.
 - `llada2` (LLaDA2 / Ling): `<role>SYSTEM</role>...<|role_end|><role>HUMAN</role>...<|role_end|>`
@@ -21,17 +26,21 @@ import json
 import pathlib
 from typing import Any
 
+from mbd_jax import tool_calls
 from mbd_jax.errors import UserError
+from mbd_jax.tool_calls import Function
 
-ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer name for system
+# developer: OpenAI's newer name for system; tool: a tool's result
+ROLES = ("system", "developer", "user", "assistant", "tool")
 THINK_END = "</think>"  # every template closes its thinking section with this
 
 
-def render(messages: list[dict], thinking: bool = False, template: str = "plain") -> str:
+def render(messages: list[dict], thinking: bool = False, template: str = "plain",
+           tools: list[Function] | None = None) -> str:
     """messages: [{"role": ..., "content": str}, ...] -> the prompt text, ending where the
-    assistant's reply begins."""
+    assistant's reply begins (`tools`: the functions the reply may call)."""
     _check(messages)
-    messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    messages = _plain_turns(messages, tools)
     if template == "qwen":
         text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
         return text + "<|im_start|>assistant\n" + ("" if thinking else "<think>\n\n</think>\n\n")
@@ -56,12 +65,18 @@ class Template:
     jinja: str | None = None
     special_tokens: dict[str, str] = dataclasses.field(default_factory=dict)
 
-    def render(self, messages: list[dict], thinking: bool = False, **kwargs: Any) -> str:
+    def render(self, messages: list[dict], thinking: bool = False,
+               tools: list[Function] | None = None, **kwargs: Any) -> str:
         """The prompt text; `kwargs` (chat_template_kwargs) reach a Jinja template only."""
         if self.jinja is None:
-            return render(messages, thinking, self.builtin)
+            return render(messages, thinking, self.builtin, tools)
         _check(messages)
-        messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+        messages = [_hf_turn({**m, "role": "system"} if m["role"] == "developer" else m)
+                    for m in messages]
+        if tools:
+            kwargs["tools"] = [{"type": "function", "function": {
+                "name": f.name, "description": f.description, "parameters": f.parameters}}
+                for f in tools]
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -98,6 +113,33 @@ def for_model(model_dir: pathlib.Path, builtin: str) -> Template:
                     special_tokens=special)
 
 
+def _plain_turns(messages: list[dict], tools: list[Function] | None) -> list[dict]:
+    """Messages for a built-in template: system / user / assistant turns with string content
+    (developer as system, calls and tool results as text, the tools as a first system turn)."""
+    out = [{"role": "system", "content": tool_calls.render_tools(tools)}] if tools else []
+    for m in messages:
+        role, content = m["role"], m.get("content") or ""
+        if role == "developer":
+            role = "system"
+        elif role == "tool":
+            role, content = "user", tool_calls.render_result(content)
+        elif m.get("tool_calls"):
+            content += "".join(tool_calls.render_call(c["function"]["name"],
+                                                      c["function"]["arguments"])
+                               for c in m["tool_calls"])
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _hf_turn(m: dict) -> dict:
+    """A message as Hugging Face templates read it: a call's arguments as an object."""
+    if not m.get("tool_calls"):
+        return m
+    calls = [{**c, "function": {**c["function"], "arguments": json.loads(
+        c["function"]["arguments"])}} for c in m["tool_calls"]]
+    return {**m, "tool_calls": calls}
+
+
 def _check(messages: list[dict]) -> None:
     if not isinstance(messages, list) or not messages:
         raise UserError("messages: must be a non-empty list of {role, content}")
@@ -107,7 +149,8 @@ def _check(messages: list[dict]) -> None:
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             raise UserError(f"messages[{i}].role: must be one of {', '.join(ROLES)}, got {role!r}")
-        if not isinstance(content, str):
+        if not isinstance(content, str) and not (role == "assistant" and content is None
+                                                 and m.get("tool_calls")):
             raise UserError(f"messages[{i}].content: must be a string")
 
 

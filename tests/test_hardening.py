@@ -267,13 +267,16 @@ def from_schema(schema: dict, defs: dict, budget_cap: int = 8) -> st.SearchStrat
 
 
 # What a published schema cannot say: a voting pattern must compile as a regex (and an extractor
-# of "regex" needs one), a text prompt must leave at least one token once tokenized, and a
-# structured output's schema, regex or grammar must compile (one such field per request).
+# of "regex" needs one), a text prompt must leave at least one token once tokenized, a
+# structured output's schema, regex or grammar must compile (one such field per request), a
+# tool choice must name an offered tool, and a message's content may be null only beside calls.
 def inexpressible(err: dict) -> bool:
     param = err.get("param") or ""
     return (param.startswith(("decoding.voting", "response_format", "structured_outputs",
-                              "guided_"))
+                              "guided_", "tools", "tool_choice"))
             or "structured output cannot be combined" in err["message"]
+            or "it may be null only on an assistant turn" in err["message"]
+            or "arguments must be a JSON object" in err["message"]
             or "empty prompt; give at least one token" in err["message"])
 
 

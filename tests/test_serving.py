@@ -17,6 +17,7 @@ import time
 import typing
 
 import httpx
+import jsonschema
 import openai
 import pydantic
 import pytest
@@ -619,6 +620,101 @@ def test_structured_output_through_the_official_client(server, offline):
     ({"guided_choice": "red"}, "guided_choice", "list of strings"),
 ])
 def test_bad_structured_output_requests_are_400_naming_the_field(server, extra, param, message):
+    body = {"messages": [{"role": "user", "content": "hi"}], **extra}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body,
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and message in err["message"], err
+
+
+SORT_TOOL = {"type": "function", "function": {
+    "name": "sort_numbers", "description": "Sort a list of integers", "parameters": {
+        "type": "object", "properties": {"numbers": {"type": "array", "maxItems": 4, "items": {
+            "type": "integer", "minimum": 0, "maximum": 9}}},
+        "required": ["numbers"], "additionalProperties": False}}}
+ADD_TOOL = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                     "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["a", "b"], "additionalProperties": False}}}
+
+
+def _check_calls(calls, tools=(SORT_TOOL, ADD_TOOL)):
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_tool_calls_through_the_official_client(server):
+    """required, named, parallel or not, auto, a follow-up turn with the tool's answer, and a
+    stream whose deltas reassemble into the non-streamed calls (random weights: the grammar
+    alone makes the calls valid)."""
+    c = client(server)
+    messages = [{"role": "user", "content": "Sort 3 1 2, then add 2 and 2."}]
+    tools = [SORT_TOOL, ADD_TOOL]
+    common = dict(model="tiny-test", messages=messages, tools=tools, max_tokens=200)
+    r = c.chat.completions.create(**{**common, "max_tokens": 800}, tool_choice="required")
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+    _check_calls(choice.message.tool_calls)
+    for seed in range(3):
+        r = c.chat.completions.create(**common, tool_choice="required", parallel_tool_calls=False,
+                                      temperature=1.0, seed=seed)
+        assert len(r.choices[0].message.tool_calls) == 1
+        _check_calls(r.choices[0].message.tool_calls)
+    r = c.chat.completions.create(**common, tool_choice={"type": "function",
+                                                         "function": {"name": "add"}})
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "add" and r.choices[0].finish_reason == "tool_calls"
+    _check_calls([call])
+    r = c.chat.completions.create(**{**common, "max_tokens": 16}, tool_choice="auto")
+    assert r.choices[0].message.tool_calls or r.choices[0].message.content is not None
+    r = c.chat.completions.create(**{**common, "max_tokens": 16}, tool_choice="none")
+    assert r.choices[0].message.tool_calls is None
+    follow_up = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function", "function": {
+                "name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "4"}]
+    r = c.chat.completions.create(model="tiny-test", messages=follow_up, tools=tools,
+                                  max_tokens=16)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    common["max_tokens"] = 800
+    whole = c.chat.completions.create(**common, tool_choice="required").choices[0].message
+    parts: dict[int, dict] = {}
+    reason = None
+    for ch in c.chat.completions.create(**common, tool_choice="required", stream=True):
+        for delta_call in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
+            part = parts.setdefault(delta_call.index, {"name": "", "arguments": ""})
+            part["name"] += delta_call.function.name or ""
+            part["arguments"] += delta_call.function.arguments or ""
+        if ch.choices and ch.choices[0].finish_reason:
+            reason = ch.choices[0].finish_reason
+    assert reason == "tool_calls"
+    assert [(p["name"], json.loads(p["arguments"])) for _, p in sorted(parts.items())] == [
+        (t.function.name, json.loads(t.function.arguments)) for t in whole.tool_calls]
+
+
+@pytest.mark.parametrize("extra,param,message", [
+    ({"tools": [ADD_TOOL], "tool_choice": {"type": "function", "function": {"name": "mul"}}},
+     "tool_choice", "not among the tools"),
+    ({"tool_choice": "required"}, "tool_choice", "no 'tools'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "string"}}}]}, "tools", "parameters must be a JSON Schema of an object"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", "name"),
+    ({"tools": [ADD_TOOL, ADD_TOOL]}, "tools", "distinct"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "strin"}}}}}], "tool_choice": "required"},
+     "tools", "strin"),
+    ({"tools": [ADD_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice", "both constrain"),
+    ({"messages": [{"role": "assistant", "content": None}]}, "messages[0]", "null only"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{
+        "id": "c", "type": "function", "function": {"name": "add", "arguments": "[1]"}}]}]},
+     "messages[0]", "arguments must be a JSON object"),
+])
+def test_bad_tool_requests_are_400_naming_the_field(server, extra, param, message):
     body = {"messages": [{"role": "user", "content": "hi"}], **extra}
     r = httpx.post(server.url + "/v1/chat/completions", json=body,
                    headers={"Authorization": f"Bearer {KEY}"}, timeout=30)

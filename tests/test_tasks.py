@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import json
 import re
 
 import numpy as np
@@ -18,6 +19,8 @@ from mbd_jax.train.config import TrainConfig
 from mbd_jax.train.trainer import batch_for_step, encode, length_shares
 
 TURN = re.compile(r"<\|(system|user|assistant)\|> ([^\n]*)\n?")
+# every task a question can reach in any format (a tool task's only in a chat: its own test)
+ANY_FORMAT = [t for t in tasks.EVAL_TASKS if t not in tasks.CHAT_ONLY_TASKS]
 
 
 def solve(question: str) -> str:
@@ -30,6 +33,8 @@ def solve(question: str) -> str:
         return result
     if m := re.fullmatch(r"Sort and reverse: ([\d ]+)", question):
         return " ".join(sorted(m[1].split(), reverse=True))
+    if m := re.fullmatch(r"Sort as JSON: ([\d ]+)", question):
+        return '{"sorted": [' + ", ".join(sorted(m[1].split())) + "]}"
     if m := re.fullmatch(r"Sort: ([\d ]+)", question):
         return " ".join(sorted(m[1].split()))
     if m := re.fullmatch(r"Reverse: ([a-z ]+)", question):
@@ -95,7 +100,7 @@ def test_the_shipped_models_training_stream_is_unchanged():
 
 
 def test_thinking_examples_work_their_trace_and_follow_the_share():
-    stream = tasks.examples(list(tasks.EVAL_TASKS), seed=4, thinking_share=0.3)
+    stream = tasks.examples(ANY_FORMAT, seed=4, thinking_share=0.3)
     seen = collections.Counter()
     for ex, _ in zip(stream, range(1500)):
         seen[ex.format] += 1
@@ -110,7 +115,7 @@ def test_thinking_examples_work_their_trace_and_follow_the_share():
     assert abs(seen["thinking"] / 1500 - 0.3) < 0.04, seen
     for fmt, w in tasks.FORMAT_WEIGHTS.items():  # the rest keep their proportions
         assert abs(seen[fmt] / 1500 - 0.7 * w) < 0.04, (fmt, seen)
-    for name in tasks.EVAL_TASKS:
+    for name in ANY_FORMAT:
         for ex in tasks.heldout(name, 30, fmt="thinking"):
             check_trace(ex)
     worked = [ex.answer for ex in tasks.heldout("longarith", 300)]  # every kind of column occurs
@@ -144,7 +149,7 @@ def test_format_weights_choose_the_formats_a_config_trains_on():
 
 
 def test_answers_match_an_independent_solver_in_every_format():
-    stream = tasks.examples(list(tasks.EVAL_TASKS), seed=3)
+    stream = tasks.examples(ANY_FORMAT, seed=3)
     seen = collections.Counter()
     for ex, _ in zip(stream, range(1500)):
         seen[ex.format] += 1
@@ -170,12 +175,28 @@ def test_heldout_questions_never_reach_training_and_eval_uses_only_them():
             if role == "user":
                 assert not tasks.is_heldout(text), ex
     for name in tasks.EVAL_TASKS:
-        for fmt in tasks.FORMATS:
+        for fmt in ("chat",) if name in tasks.CHAT_ONLY_TASKS else tasks.FORMATS:
             exs = tasks.heldout(name, 20, fmt=fmt)
             assert len({e.prompt for e in exs}) == 20
             assert all(e.format == fmt and tasks.is_heldout(turns(e)[-1][1]) for e in exs)
     with pytest.raises(UserError, match="format: must be one of chat, system, multiturn, raw"):
         next(tasks.examples(["sort"], 0, fmt="json"))
+
+
+def test_the_tool_task_offers_its_tool_in_a_chat_and_answers_with_the_call():
+    """toolsort: the template's tools line, the question, and the call (written here by hand,
+    not by tool_calls.render_call) that parses back into the question's numbers."""
+    from mbd_jax import tool_calls
+    for ex in tasks.heldout("toolsort", 20):
+        ts = turns(ex)
+        assert ts[0] == ("system", "Tools: sort_numbers(numbers)") and ts[1][0] == "user"
+        digits = re.fullmatch(r"Sort: ([\d ]+)", ts[1][1])[1].split()
+        assert ex.answer == ('<tool_call>{"name": "sort_numbers", "arguments": {"numbers": ['
+                             + ", ".join(digits) + "]}}</tool_call>")
+        content, (call,) = tool_calls.parse(ex.answer, [tasks.SORT_TOOL])
+        assert content is None and json.loads(call.arguments) == {"numbers": list(map(int, digits))}
+    with pytest.raises(UserError, match="offers a tool"):
+        tasks.heldout("toolsort", 2, fmt="raw")
 
 
 def test_long_answers_span_several_blocks():

@@ -17,13 +17,13 @@ from mbd_jax.config.structure import Structure
 from mbd_jax.decoding.gate import mask_words
 from mbd_jax.errors import UserError
 from mbd_jax.grammar.row import RowGrammar
+from mbd_jax.tool_calls import JSON_STYLE
 from mbd_jax.tokenizer import Tokenizer
 
 COMPILED_KEPT = 64  # distinct structures kept compiled per engine
 # JSON is written as Python's json.dumps writes it: ", " and ": ", no other whitespace. A grammar
 # that allows any whitespace lets a model that is unsure pad its output with spaces (the text is
 # valid and useless). A schema's own "x-guidance" options override these.
-JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 
 
 def grammar_text(structure: Structure) -> str:

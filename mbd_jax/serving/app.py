@@ -25,6 +25,7 @@ from mbd_jax.config import DecodeConfig, ServeConfig, Structure, from_dict
 from mbd_jax.errors import UserError
 from mbd_jax.stop_strings import StopStrings
 from mbd_jax.serving import keys, protocol, structured
+from mbd_jax.serving.tool_use import ToolUse
 from mbd_jax.serving.body import BodyError, parse_object
 from mbd_jax.serving.request import Request
 from mbd_jax.serving.refusals import Draining, EngineDown, QueueFull
@@ -163,9 +164,10 @@ class Service:
                 return value
         return self.cfg.generation.thinking_mode
 
-    def decode_configs(self, req: Any, thinking: bool, count: int,
-                       max_field: str) -> tuple[list[DecodeConfig], str | None]:
-        """`count` DecodeConfigs (server defaults + the request's settings), one per choice, and
+    def decode_configs(self, req: Any, thinking: bool, count: int, max_field: str,
+                       tools: ToolUse | None = None) -> tuple[list[DecodeConfig], str | None]:
+        """`count` DecodeConfigs (server defaults + the request's settings, the structure its
+        output must have: structured.py, or a forced tool call), one per choice, and
         the field that set the token budget (None: the server default). Choice j of a seeded request uses seed + j;
         an unseeded request gets fresh randomness per choice."""
         gen = self.cfg.generation
@@ -201,7 +203,7 @@ class Service:
                                  "server", param="decoding.max_nfe")
         if req.seed is not None:
             overrides["seed"] = req.seed % 2**31
-        structure = self.structure(req)
+        structure = self.structure(req, tools)
         if structure is not None:
             overrides["structure"] = structure
         seeded = overrides.get("seed") is not None
@@ -219,13 +221,19 @@ class Service:
                  else [secrets.randbelow(2**31) for _ in range(count)])
         return [dataclasses.replace(d, seed=s) for s in seeds], max_field if budget is not None else None
 
-    def structure(self, req: Any) -> Structure | None:
-        """The structured output the request asks for (structured.py), compiled against the
-        model's tokenizer: 400 naming the field that holds it if it cannot be."""
+    def structure(self, req: Any, tools: ToolUse | None = None) -> Structure | None:
+        """The structured output the request asks for (structured.py) or the call grammar of
+        a forced tool call, compiled against the model's tokenizer: 400 naming the field that
+        holds it if it cannot be."""
         try:
             asked = structured.requested(req)
         except structured.Conflict as e:
             raise HTTPError(400, str(e), param=e.param) from None
+        if tools is not None and tools.forced:
+            if asked is not None:
+                raise HTTPError(400, f"fields 'tool_choice' and '{asked[1].split('.')[0]}' both "
+                                     "constrain the output; send one", param="tool_choice")
+            asked = tools.structure(), "tools"
         if asked is None:
             return None
         structure, param = asked

@@ -3,7 +3,8 @@
 A request of `n` choices over several prompts runs as one scheduler Request per choice (choice
 index = prompt * n + j). `Choices` turns their results, or their events as they arrive, into
 `text_completion` / `chat.completion` objects: text or message (with `reasoning_content` split at
-`</think>` in thinking mode), finish reasons, per-token logprobs when asked, usage over all.
+`</think>` in thinking mode; a chat's tool calls read out of the answer as `tool_calls`, streamed
+as each call completes), finish reasons, per-token logprobs when asked, usage over all.
 """
 
 from __future__ import annotations
@@ -14,11 +15,22 @@ import time
 from mbd_jax import chat
 from mbd_jax.serving.logprobs import TokenLogprobs
 from mbd_jax.serving.request import Request
+from mbd_jax.serving.tool_use import ToolUse
 from mbd_jax.tokenizer import Tokenizer
+from mbd_jax.tool_calls import ToolCall
 
 
-def finish_reason(result) -> str:
-    return {"stop": "stop", "length": "length", "max_nfe": "length"}.get(result.finish_reason, "stop")
+def finish_reason(result, called: bool = False) -> str:
+    """OpenAI's finish reason; a reply that ended by itself after tool calls: "tool_calls"."""
+    reason = {"stop": "stop", "length": "length", "max_nfe": "length"}.get(result.finish_reason,
+                                                                            "stop")
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def tool_call_json(call: ToolCall, index: int | None = None) -> dict:
+    out = {"id": call.id, "type": "function",
+           "function": {"name": call.name, "arguments": call.arguments}}
+    return out if index is None else {"index": index, **out}
 
 
 def voting_info(result) -> dict:
@@ -28,7 +40,8 @@ def voting_info(result) -> dict:
 
 class Choices:
     def __init__(self, reqs: list[Request], prompt_of: list[int], *, chat_format: bool,
-                 thinking: bool, logprobs: bool, tokenizer: Tokenizer, model_name: str):
+                 thinking: bool, logprobs: bool, tokenizer: Tokenizer, model_name: str,
+                 tools: ToolUse | None = None):
         self.reqs, self.prompt_of, self.chat = reqs, prompt_of, chat_format
         self.split = chat_format and thinking  # reasoning_content apart from the answer
         self.model_name = model_name
@@ -36,6 +49,9 @@ class Choices:
         self.kind = "chat.completion" if chat_format else "text_completion"
         self.logprobs = [TokenLogprobs(tokenizer, chat_format) if logprobs else None for _ in reqs]
         self.reasoning = [chat.ReasoningStream() for _ in reqs] if self.split else None
+        self.tools = tools  # a chat's tool use (None: no tools)
+        self.calls = [tools.stream() if tools else None for _ in reqs]  # per choice
+        self.called = [0] * len(reqs)  # calls streamed per choice
 
     def usage(self, results: list) -> dict:
         """Each distinct prompt counted once, plus mbd-jax's decode forwards and tokens per
@@ -63,6 +79,11 @@ class Choices:
                 if self.split:
                     message["reasoning_content"], message["content"] = \
                         chat.split_reasoning(result.text)
+                if self.tools is not None:
+                    message["content"], calls = self.tools.reply(message["content"])
+                    if calls:
+                        message["tool_calls"] = [tool_call_json(c) for c in calls]
+                        choice["finish_reason"] = finish_reason(result, called=True)
                 choice["message"] = message
             else:
                 choice["text"] = result.text
@@ -92,11 +113,29 @@ class Choices:
 
     def done(self, i: int, result) -> str:
         """Choice i's last chunk: its finish reason (and vote)."""
-        return self._chunk(i, "" if self.split else (None if self.chat else ""),
+        return self._chunk(i, "" if self.split or self.calls[i] else (None if self.chat else ""),
                            finish_reason(result), None, voting_info(result))
 
+    def _calls(self, i: int, delta: dict, reason: str | None) -> tuple[dict, str | None]:
+        """The delta with its answer text run through choice i's call stream: the text outside
+        calls as content, each completed call as a `tool_calls` entry (whole arguments)."""
+        shown, calls = self.calls[i].push(delta.pop("content", ""))
+        if reason is not None:
+            shown += self.calls[i].finish()
+        if not self.tools.parallel:
+            calls = calls[: max(0, 1 - self.called[i])]
+        if shown:
+            delta["content"] = shown
+        if calls:
+            delta["tool_calls"] = [tool_call_json(c, self.called[i] + k)
+                                   for k, c in enumerate(calls)]
+            self.called[i] += len(calls)
+        if reason == "stop" and self.called[i]:
+            reason = "tool_calls"
+        return delta, reason
+
     def _chunk(self, i: int, text: str | None, reason: str | None, lp: dict | None,
-               extra: dict | None = None) -> str:
+               extra: dict | None = None) -> str | None:
         if not self.chat:
             choice = {"index": i, "text": text or "", "finish_reason": reason, "logprobs": lp}
             return self.sse([{**choice, **(extra or {})}])
@@ -108,5 +147,9 @@ class Choices:
             delta = {k: v for k, v in (("reasoning_content", thought), ("content", answer)) if v}
         elif text is not None:
             delta = {"content": text}
+        if self.calls[i] is not None and text is not None:
+            delta, reason = self._calls(i, delta, reason)
+            if not delta and reason is None and lp is None:
+                return None  # all held back: a call still arriving
         choice = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": lp}
         return self.sse([{**choice, **(extra or {})}])

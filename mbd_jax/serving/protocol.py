@@ -5,11 +5,11 @@ Three kinds of OpenAI field:
   seed, stop, n, stream, ...);
 - harmless: they do not change the output here (store, metadata, user, ...); accepted, and the
   ones that would matter elsewhere are named in one warning line per request (`ignored()`);
-- unsupported at anything but their neutral value (logprobs, penalties, logit_bias, tools,
-  echo, best_of, suffix): any other value is a 400 naming the field, because silently ignoring
+- unsupported at anything but their neutral value (logprobs, penalties, logit_bias, echo,
+  best_of, suffix): any other value is a 400 naming the field, because silently ignoring
   it would change what the client gets.
 Structured output (response_format, vLLM's structured_outputs and guided_*) is read by
-structured.py.
+structured.py; tools, tool_choice and parallel_tool_calls by tool_use.py.
 Fields outside the schema are a 400 that lists the allowed ones (a typo must not pass silently).
 
 Validation is strict (no "5" for 5, no true for 1). `error_of` turns pydantic's first error into
@@ -19,6 +19,7 @@ Validation is strict (no "5" for 5, no true for 1). `error_of` turns pydantic's 
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Annotated, Any, Literal
 
 import pydantic
@@ -26,7 +27,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSche
 
 from mbd_jax.config import DecodeConfig
 from mbd_jax.config.decoding import RANGES
-from mbd_jax.serving import structured
+from mbd_jax.serving import structured, tool_use
 
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string
@@ -128,10 +129,12 @@ Prompt = _one_of(_check_prompt, {"anyOf": [
 _STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
 Stop = _one_of(_check_stop, {"anyOf": [
     _STOP_STRING, {"type": "array", "items": _STOP_STRING, "maxItems": MAX_STOP}, {"type": "null"}]})
-Content = _one_of(_check_content, {"anyOf": [
+_CONTENT_SCHEMA = {"anyOf": [
     {"type": "string"}, {"type": "array", "items": {
         "type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-        "required": ["type", "text"], "additionalProperties": False}}]})
+        "required": ["type", "text"], "additionalProperties": False}}]}
+MessageContent = _one_of(lambda v: None if v is None else _check_content(v),
+                         {"anyOf": [*_CONTENT_SCHEMA["anyOf"], {"type": "null"}]})
 
 
 def _unsupported(*allowed: Any, what: str):
@@ -169,8 +172,8 @@ GuidedJson = _one_of(structured.check_guided_json, structured.GUIDED_JSON_SCHEMA
 GuidedChoice = _one_of(structured.check_guided_choice, structured.GUIDED_CHOICE_SCHEMA)
 GuidedRegex = _one_of(structured.check_guided_text("regex"), structured.GUIDED_TEXT_SCHEMA)
 GuidedGrammar = _one_of(structured.check_guided_text("grammar"), structured.GUIDED_TEXT_SCHEMA)
-NoTools = _unsupported([], None, what="[] or null (tool calls are not supported)")
-NoToolChoice = _unsupported("none", None, what='"none" or null')
+Tools = _one_of(tool_use.check_tools, tool_use.TOOLS_SCHEMA)
+ToolChoice = _one_of(tool_use.check_tool_choice, tool_use.TOOL_CHOICE_SCHEMA)
 
 
 class StreamOptions(_Body):
@@ -186,8 +189,7 @@ class ChatTemplateKwargs(BaseModel):
 
 
 # Harmless fields: accepted; named in the request's warning line when set.
-HARMLESS = ("store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-            "safety_identifier")
+HARMLESS = ("store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier")
 
 
 class _Sampling(_Body):
@@ -222,7 +224,6 @@ class _Sampling(_Body):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
@@ -235,10 +236,37 @@ class CompletionRequest(_Sampling):
     suffix: NoSuffix = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text of the arguments object
+
+
+class AssistantToolCall(_Body):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class Message(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Content
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: MessageContent = None  # (null only on an assistant turn that made tool calls)
     name: str | None = None  # accepted, not rendered
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn's answer to this call
+
+    @pydantic.model_validator(mode="after")
+    def _content_or_calls(self) -> "Message":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("'content' is required (it may be null only on an assistant "
+                             "turn with tool_calls)")
+        for call in self.tool_calls or []:
+            try:
+                arguments = json.loads(call.function.arguments)
+            except ValueError:
+                arguments = None
+            if not isinstance(arguments, dict):
+                raise ValueError("tool_calls[].function.arguments must be a JSON object's text")
+        return self
 
 
 class ChatCompletionRequest(_Sampling):
@@ -247,8 +275,9 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool | None = None
     top_logprobs: NoTopLogprobs = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
-    tools: NoTools = None
-    tool_choice: NoToolChoice = None
+    tools: Tools = None  # tool_use.py
+    tool_choice: ToolChoice = None
+    parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None  # harmless: thinking is on/off here (`thinking`)
 
 
@@ -274,6 +303,8 @@ def wants_logprobs(req: BaseModel) -> bool:
 def ignored(req: BaseModel) -> list[str]:
     """The harmless fields the request set (for its warning line)."""
     names = [f for f in HARMLESS if getattr(req, f, None) is not None]
+    if getattr(req, "parallel_tool_calls", None) is not None and not req.tools:
+        names.append("parallel_tool_calls")  # (with tools it is honoured)
     if getattr(req, "reasoning_effort", None) is not None:
         names.append("reasoning_effort")
     kwargs = getattr(req, "chat_template_kwargs", None)

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mbd_jax.errors import UserError
-from mbd_jax.serving import access, protocol
+from mbd_jax.serving import access, protocol, tool_use
 from mbd_jax.serving.app import (ClientGone, HTTPError, Service, _shown, engine_error,
                                  error_response, request_id, unless_gone)
 from mbd_jax.serving.openai_response import Choices, voting_info
@@ -135,25 +135,31 @@ class Routes:
 
     async def chat_completions(self, request):
         req = self.svc.parse(protocol.ChatCompletionRequest, await self._guarded(request), request)
-        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        try:
+            tools = tool_use.read(req)
+        except tool_use.ToolError as e:
+            raise HTTPError(400, str(e), param=e.param) from None
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
         extra = req.chat_template_kwargs.model_extra if req.chat_template_kwargs else {}
         try:
-            text = self.svc.template.render(messages, self.svc.thinking(req), **(extra or {}))
+            text = self.svc.template.render(messages, self.svc.thinking(req),
+                                            tools=tools and tools.shown, **(extra or {}))
         except UserError as e:
             raise HTTPError(400, str(e), param="messages") from None
         return await self._respond(request, req, [self.svc.encode(text, "messages")],
-                                   chat_format=True)
+                                   chat_format=True, tools=tools)
 
-    async def _respond(self, request, req, prompts: list[list[int]],
-                       chat_format: bool) -> Response:
+    async def _respond(self, request, req, prompts: list[list[int]], chat_format: bool,
+                       tools: tool_use.ToolUse | None = None) -> Response:
         """Runs req.n choices per prompt (choice index = prompt * n + j) and answers in the
-        OpenAI shape (openai_response.Choices), streamed or not."""
+        OpenAI shape (openai_response.Choices), streamed or not; `tools`: a chat's tool use."""
         thinking, n = self.svc.thinking(req), req.n
         if len(prompts) * n > self.svc.cfg.server.max_segments:  # n == 1: too many prompts
             raise HTTPError(400, f"{len(prompts)} prompts x n={n} is {len(prompts) * n} choices; "
                                  f"the limit is {self.svc.cfg.server.max_segments}",
                             param="n" if n > 1 else "prompt")
-        decodes, budget = self.svc.decode_configs(req, thinking, len(prompts) * n, "max_tokens")
+        decodes, budget = self.svc.decode_configs(req, thinking, len(prompts) * n, "max_tokens",
+                                                  tools)
         if budget is not None:  # an explicit token budget must fit beside every prompt
             for i, ids in enumerate(prompts):
                 self.svc.check_room(ids, decodes[0], "messages" if chat_format else
@@ -165,7 +171,7 @@ class Routes:
         request.state.jobs = reqs
         choices = Choices(reqs, prompt_of, chat_format=chat_format, thinking=thinking,
                           logprobs=with_logprobs, tokenizer=self.svc.scheduler.engine.tokenizer,
-                          model_name=self.svc.model_name)
+                          model_name=self.svc.model_name, tools=tools)
         if not req.stream:
             results = await unless_gone(request, reqs,
                                         asyncio.gather(*(self.svc.collect(r) for r in reqs)))

@@ -13,6 +13,12 @@ so accuracy on the held-out split measures generalisation.
     longsort     Sort: 11-20 digits              -> 22-40 tokens: 3-6 8-token blocks with its EOS
     longreverse  Reverse: 11-24 letters          -> 11-24 tokens: 2-4 blocks with its EOS
 
+    structured (the shipped models' structured-output tasks, tool_calls.py):
+    jsonsort     Sort as JSON: 7 2 9 4           -> {"sorted": [2, 4, 7, 9]}   (3-8 digits)
+    toolsort     (tools: sort_numbers) Sort: 7 2 9 4
+                 -> <tool_call>{"name": "sort_numbers", "arguments": {"numbers": [7, 2, 9, 4]}}</tool_call>
+                 (chat only: the offered tools are a system line of the template)
+
     on trial (TRIAL_TASKS: trained and evaluated by name, not yet in the suite):
     longarith    What is 347+586?  -> 7+6=13 4+8+1=13 3+5+1=9 347+586=933  (three-digit + and -,
                  worked column by column: 4-5 blocks)
@@ -53,6 +59,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
 import string
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
@@ -61,6 +68,7 @@ import numpy as np
 
 from mbd_jax.chat import THINK_END, render, split_reasoning
 from mbd_jax.errors import UserError
+from mbd_jax.tool_calls import Function, render_call
 
 HELDOUT_PER_MILLE = 100  # 10% of all questions are held out
 _LETTERS = string.ascii_lowercase
@@ -110,6 +118,16 @@ class Problem(NamedTuple):
     question: str
     answer: str
     trace: str = ""  # the worked trace a thinking reply writes before THINK_END ("": none)
+    tools: tuple[Function, ...] = ()  # offered to the reply (chat only)
+
+
+# The tool the structured tasks offer (and the README's tool-call example).
+SORT_TOOL = Function("sort_numbers", {
+    "type": "object", "properties": {"numbers": {"type": "array", "items": {"type": "integer"}}},
+    "required": ["numbers"], "additionalProperties": False}, "Sort a list of integers")
+# The JSON Schema of a jsonsort answer.
+JSONSORT_SCHEMA = {"type": "object", "properties": {"sorted": {"type": "array", "items": {
+    "type": "integer"}}}, "required": ["sorted"], "additionalProperties": False}
 
 
 def _digits(rng: np.random.Generator, lo: int, hi: int) -> list[int]:
@@ -169,6 +187,17 @@ def _sortrev(rng: np.random.Generator, lo: int = 3, hi: int = 8) -> Problem:
                    " ".join(map(str, sorted(xs)[::-1])), " ".join(map(str, sorted(xs))))
 
 
+def _jsonsort(rng: np.random.Generator) -> Problem:
+    xs = _digits(rng, 3, 8)
+    return Problem("Sort as JSON: " + " ".join(map(str, xs)), json.dumps({"sorted": sorted(xs)}))
+
+
+def _toolsort(rng: np.random.Generator) -> Problem:
+    xs = _digits(rng, 3, 6)
+    return Problem("Sort: " + " ".join(map(str, xs)),
+                   render_call(SORT_TOOL.name, {"numbers": xs}), tools=(SORT_TOOL,))
+
+
 def _arith_trace(a: int, op: str, b: int, width: int = 2) -> str:
     """Column by column, units first, `width` columns: `7+8=15 4+3+1=8` (47+38, a carry in as
     +1); `17-8=9 4-1-3=0` (47-38: a column that borrows shows its digit plus 10, the next one
@@ -205,6 +234,11 @@ TASKS: dict[str, Callable[[np.random.Generator], Problem]] = {
     "arith": _arith, "sort": _sort, "reverse": _reverse, "recall": _recall, "sortrev": _sortrev,
     "longsort": functools.partial(_sort, lo=11, hi=20),
     "longreverse": functools.partial(_reverse, lo=11, hi=24)}
+# The structured-output tasks: evaluated by name (`eval --task jsonsort`), not in the suite's
+# `all` (Table 1 and the accuracy floors are the plain tasks').
+STRUCTURED_TASKS: dict[str, Callable[[np.random.Generator], Problem]] = {
+    "jsonsort": _jsonsort, "toolsort": _toolsort}
+CHAT_ONLY_TASKS = frozenset({"toolsort"})  # their tools are offered in a chat
 
 # Tasks on trial: trained (the trial configs: long-answers, long-arith-drill, longsub, long-mix,
 # long-mix-borrow, long-mbd, long-mbd-full) and evaluated when named (`eval --task longarith`),
@@ -213,9 +247,10 @@ TASKS: dict[str, Callable[[np.random.Generator], Problem]] = {
 TRIAL_TASKS: dict[str, Callable[[np.random.Generator], Problem]] = {
     "longarith": _long_arith, "longsortrev": functools.partial(_sortrev, lo=11, hi=20)}
 # What eval may name, and how a --task flag says so.
-EVAL_TASKS = {**TASKS, **TRIAL_TASKS}
-EVAL_TASKS_HELP = (f"comma-separated: {', '.join(TASKS)}, or all (these: the suite); on trial, by "
-                   f"name only: {', '.join(TRIAL_TASKS)}")
+EVAL_TASKS = {**TASKS, **TRIAL_TASKS, **STRUCTURED_TASKS}
+EVAL_TASKS_HELP = (f"comma-separated: {', '.join(TASKS)}, or all (these: the suite); by name "
+                   f"only: structured output {', '.join(STRUCTURED_TASKS)}, on trial "
+                   f"{', '.join(TRIAL_TASKS)}")
 
 
 # Training-only drills: questions of an evaluated task's kind, drawn to train one skill (never
@@ -241,19 +276,23 @@ def check_tasks(names: list[str] | tuple[str, ...], where: str = "tasks",
 
 def _train_question(tasks: list[str] | tuple[str, ...], rng: np.random.Generator
                     ) -> tuple[str, str]:
-    """A question (and answer) of a random task from the train split: an earlier turn."""
+    """A question (and answer) of a random task from the train split: an earlier turn (not a
+    tool task's: a turn without the tools offered never answers with a call)."""
     while True:
-        question, answer, _ = TRAIN_TASKS[tasks[int(rng.integers(len(tasks)))]](rng)
-        if not is_heldout(question):
+        question, answer, _, tools = TRAIN_TASKS[tasks[int(rng.integers(len(tasks)))]](rng)
+        if not is_heldout(question) and not tools:
             return question, answer
 
 
 def render_example(question: str, fmt: str, rng: np.random.Generator,
-                   tasks: list[str] | tuple[str, ...]) -> str:
-    """The prompt text of `question` in format `fmt` (extra turns drawn from `rng`)."""
+                   tasks: list[str] | tuple[str, ...], tools: tuple[Function, ...] = ()) -> str:
+    """The prompt text of `question` in format `fmt` (extra turns drawn from `rng`; `tools`:
+    offered, in a chat)."""
     if fmt == "raw":
         return question
     messages = [{"role": "user", "content": question}]
+    if tools:
+        return render(messages, tools=list(tools))
     if fmt == "thinking":
         return render(messages, thinking=True)
     if fmt == "multiturn":
@@ -286,12 +325,17 @@ def examples(tasks: list[str] | tuple[str, ...], seed, split: str = "train",
     i = 0
     while True:
         task = tasks[i % len(tasks)]
-        question, answer, trace = TRAIN_TASKS[task](rng)
+        question, answer, trace, tools = TRAIN_TASKS[task](rng)
         if is_heldout(question) == want_heldout:
             i += 1
             f = fmt or ("thinking" if thinking_share and rng.random() < thinking_share else
                         names[int(rng.choice(len(names), p=weights / weights.sum()))])
-            yield Example(task, render_example(question, f, rng, tasks), answer, f,
+            if tools and f != "chat":  # a tool is offered in a chat
+                if fmt is not None:
+                    raise UserError(f"format {fmt}: task {task} offers a tool, which only a "
+                                    "chat does (format chat)")
+                f = "chat"
+            yield Example(task, render_example(question, f, rng, tasks, tools), answer, f,
                           trace if f == "thinking" else None,
                           RAW_ANSWER_PREFIX if raw_answer_prefix and f == "raw" else "")
 
