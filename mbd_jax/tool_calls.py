@@ -19,9 +19,9 @@ import re
 import uuid
 from typing import Any
 
+from mbd_jax.grammar.json_schema import JSON_STYLE, closed_objects
+
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-# JSON as json.dumps writes it (llguidance's options; grammar/compile.py says why)
-JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 MAX_TOOLS = 64
 MAX_PARALLEL_CALLS = 8  # calls in one reply under a forced choice's grammar
@@ -90,13 +90,14 @@ def render_result(content: str) -> str:
 
 def call_grammar(functions: list[Function], parallel: bool) -> str:
     """A Lark grammar (llguidance's dialect, %json) whose words are one call of one of
-    `functions` (with `parallel`, up to MAX_PARALLEL_CALLS in a row)."""
+    `functions` (with `parallel`, up to MAX_PARALLEL_CALLS in a row); their argument schemas
+    read as grammar/json_schema.py says."""
     schema = {"anyOf": [{"type": "object", "properties": {"name": {"const": f.name},
-                                                          "arguments": f.parameters},
+                                                          "arguments": closed_objects(f.parameters)},
                          "required": ["name", "arguments"], "additionalProperties": False}
                         for f in functions], "x-guidance": JSON_STYLE}
     calls = f"call (NL? call)~0..{MAX_PARALLEL_CALLS - 1}" if parallel else "call"
-    return (f"start: {calls}\n"
+    return (f"start: \" \"? {calls}\n"  # (a sentencepiece reply's first "▁": json_schema.py)
             f"call: \"{CALL_OPEN}\" NL? %json {json.dumps(schema)} NL? \"{CALL_CLOSE}\"\n"
             "NL: \"\\n\"\n")
 

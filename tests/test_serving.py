@@ -577,7 +577,7 @@ def test_structured_output_through_the_official_client(server, offline):
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(r.choices[0].message.content), dict)
     else:
-        assert r.choices[0].message.content.startswith("{")
+        assert r.choices[0].message.content.lstrip().startswith("{")
     r = c.completions.create(model="tiny-test", prompt="Pick:", max_tokens=32,
                              extra_body={"guided_choice": ["red", "green", "blue"]})
     assert r.choices[0].text in ("red", "green", "blue")
@@ -694,6 +694,25 @@ def test_tool_calls_through_the_official_client(server):
     assert reason == "tool_calls"
     assert [(p["name"], json.loads(p["arguments"])) for _, p in sorted(parts.items())] == [
         (t.function.name, json.loads(t.function.arguments)) for t in whole.tool_calls]
+
+
+def test_langchain_structured_output_and_tool_binding(server):
+    """LangChain's ChatOpenAI against the service: with_structured_output (OpenAI's json_schema)
+    returns the pydantic object, bind_tools with a forced choice returns a valid call."""
+    from langchain_openai import ChatOpenAI
+
+    class Add(pydantic.BaseModel):
+        """Add two small numbers."""
+        a: int = pydantic.Field(ge=0, le=99)
+        b: int = pydantic.Field(ge=0, le=99)
+
+    llm = ChatOpenAI(base_url=server.url + "/v1", api_key=KEY, model="tiny-test",
+                     max_tokens=200, temperature=0)
+    shape = llm.with_structured_output(Shape, method="json_schema").invoke("Describe a shape.")
+    assert isinstance(shape, Shape)
+    message = llm.bind_tools([Add], tool_choice="Add").invoke("Add 2 and 2.")
+    (call,) = message.tool_calls
+    assert call["name"] == "Add" and Add.model_validate(call["args"])
 
 
 @pytest.mark.parametrize("extra,param,message", [

@@ -86,6 +86,7 @@ class Batch:
         self._call_log: collections.deque[tuple[float, int]] = collections.deque(maxlen=RECENT_CALLS)
         self._decode_calls = 0
         self._decode_seconds = 0.0  # inside decode calls (each waits for the device)
+        self._grammar_calls, self._grammar_seconds = 0, 0.0  # constrained rows' host steps
         # The model's cache (its layout is the model's business: model/cache.py) in a pool of
         # pages (page_plan.pool_size).
         size = pool_size(cfg, batch_size, buffer_size, prefill_chunk, kv_pool_tokens)
@@ -379,6 +380,7 @@ class Batch:
                 if r.grammar is not None and not r.prefilling]
         if not rows:
             return state
+        t = time.perf_counter()
         window, cached_len, done = self.runner.gate_view(state)
         b = self.batch_size
         gate, clear, update = np.zeros(b, np.int32), np.zeros(b, bool), np.zeros(b, bool)
@@ -387,7 +389,11 @@ class Batch:
             if not done[i]:
                 clear[i] = grammar.advance(window[i], int(cached_len[i]))
                 gate[i], allowed[i], update[i] = grammar.gate, grammar.mask, True
-        return self.runner.set_gates(state, gate, allowed, clear, update) if update.any() else state
+        if update.any():
+            state = self.runner.set_gates(state, gate, allowed, clear, update)
+        self._grammar_calls += 1
+        self._grammar_seconds += time.perf_counter() - t
+        return state
 
     def run_decode(self, state: DecodeState, max_calls: int | None = None) -> DecodeState:
         """Decode calls until every row is done (or max_calls calls ran)."""
@@ -468,6 +474,7 @@ class Batch:
             prefill_seconds_per_token=self.prefill_seconds_per_token,
             decode_calls=self._decode_calls, decode_seconds=self._decode_seconds,
             recent_calls=tuple(self._call_log),
+            grammar_calls=self._grammar_calls, grammar_seconds=self._grammar_seconds,
             store=None if self.prefix_store is None else dataclasses.replace(
                 self.prefix_store.stats),
             offload=None if self.offloader is None else dataclasses.replace(

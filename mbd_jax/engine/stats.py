@@ -27,6 +27,8 @@ class EngineStats:
     decode_seconds: float  # wall time inside them: each waits for the device (and the prefill
     # calls dispatched before it), so its rate is the share of time the device is busy
     recent_calls: tuple[tuple[float, int], ...]  # (seconds, steps) of the latest, oldest first
+    grammar_calls: int  # decode calls after which constrained rows' grammars ran (grammar/row.py)
+    grammar_seconds: float  # host time of those grammar steps (fetch, matchers, write-back)
     store: StoreStats | None  # the prefix store's counters (None: no prefix cache)
     offload: OffloadStats | None  # the offloader's (None: no prefix cache)
 

@@ -9,6 +9,7 @@ matcher."""
 from __future__ import annotations
 
 import collections
+import json
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -17,13 +18,10 @@ from mbd_jax.config.structure import Structure
 from mbd_jax.decoding.gate import mask_words
 from mbd_jax.errors import UserError
 from mbd_jax.grammar.row import RowGrammar
-from mbd_jax.tool_calls import JSON_STYLE
+from mbd_jax.grammar.json_schema import json_lark
 from mbd_jax.tokenizer import Tokenizer
 
 COMPILED_KEPT = 64  # distinct structures kept compiled per engine
-# JSON is written as Python's json.dumps writes it: ", " and ": ", no other whitespace. A grammar
-# that allows any whitespace lets a model that is unsure pad its output with spaces (the text is
-# valid and useless). A schema's own "x-guidance" options override these.
 
 
 def grammar_text(structure: Structure) -> str:
@@ -31,11 +29,10 @@ def grammar_text(structure: Structure) -> str:
     be read at all)."""
     import llguidance
 
-    if structure.kind == "json_schema":
-        return llguidance.LLMatcher.grammar_from_json_schema(structure.source, defaults=JSON_STYLE)
-    if structure.kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}',
-                                                             defaults=JSON_STYLE)
+    if structure.kind in ("json_schema", "json_object"):  # (read as grammar/json_schema.py says)
+        schema = json.loads(structure.source) if structure.kind == "json_schema" else {
+            "type": "object"}
+        return llguidance.LLMatcher.grammar_from_lark(json_lark(schema))
     if structure.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(structure.source)
     if structure.kind == "choice":
