@@ -275,6 +275,7 @@ def inexpressible(err: dict) -> bool:
     return (param.startswith(("decoding.voting", "response_format", "structured_outputs",
                               "guided_", "tools", "tool_choice"))
             or "structured output cannot be combined" in err["message"]
+            or "need thinking off" in err["message"]
             or "it may be null only on an assistant turn" in err["message"]
             or "arguments must be a JSON object" in err["message"]
             or "empty prompt; give at least one token" in err["message"])

@@ -728,6 +728,8 @@ def test_langchain_structured_output_and_tool_binding(server):
      "tools", "strin"),
     ({"tools": [ADD_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
      "tool_choice", "both constrain"),
+    ({"tools": [ADD_TOOL], "tool_choice": "required", "thinking": True}, "thinking",
+     "need thinking off"),
     ({"messages": [{"role": "assistant", "content": None}]}, "messages[0]", "null only"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{
         "id": "c", "type": "function", "function": {"name": "add", "arguments": "[1]"}}]}]},

@@ -111,13 +111,15 @@ def _check_valid(results, schemas):
         jsonschema.validate(json.loads(r.text), schema)
 
 
-@pytest.mark.parametrize("buffer_size,temperature", [(1, 0.0), (3, 0.0), (3, 1.0)])
+@pytest.mark.parametrize("buffer_size,temperature,mode", [
+    (1, 0.0, "naive"), (3, 0.0, "naive"), (3, 1.0, "naive"), (2, 0.0, "edit")])
 def test_every_output_is_valid_json_for_its_schema(engine, random_model, buffer_size,
-                                                   temperature):
+                                                   temperature, mode):
     """Random weights: only the constraint makes the text valid. N_buf 1 and 3 (eager), greedy
-    and sampled with a seed; each row has its own schema."""
+    and sampled with a seed, edit mode; each row has its own schema."""
     decodes = [DecodeConfig(max_new_tokens=200, buffer_size=buffer_size, temperature=temperature,
                             seed=i, block_activation="eager" if buffer_size > 1 else "progress",
+                            sampling_mode=mode, edit_threshold=0.3,
                             structure=Structure.json_schema(s)) for i, s in enumerate(SCHEMAS)]
     results = engine.generate(_prompts(random_model.tokenizer, len(SCHEMAS)), decodes)
     _check_valid(results, SCHEMAS)
@@ -172,6 +174,26 @@ def test_a_grammar_that_cannot_finish_in_the_budget_ends_with_length(engine, ran
     r = engine.generate(_prompts(random_model.tokenizer, 1),
                         DecodeConfig(max_new_tokens=10, structure=s))[0]
     assert r.finish_reason == "length" and r.text == "a" * len(r.text) and len(r.token_ids) == 10
+
+
+def test_constrained_rows_with_the_prefix_cache(random_model):
+    """A prefix store under constrained rows: the second run of the same prompts maps their
+    stored blocks and decodes the same valid text (committed blocks are accepted text)."""
+    from mbd_jax.cache.prefix_store import PrefixStore
+    m = random_model
+    store = PrefixStore("structured", m.cfg.block_size, ram_bytes=1 << 24)
+    eng = Engine(m.cfg, m.params, batch_size=4, buffer_size=2, prefill_chunk=64,
+                 tokenizer=m.tokenizer, prefix_store=store)
+    prompts = [m.tokenizer.encode("A long shared system line for the prefix cache. " * 3 + q)
+               for q in ("One", "Two")]
+    decodes = [DecodeConfig(max_new_tokens=200, buffer_size=2, structure=Structure.json_schema(s))
+               for s in SCHEMAS[-2:]]
+    first = eng.generate(prompts, decodes)
+    eng.flush()
+    again = eng.generate(prompts, decodes)
+    assert eng.stats().prefix_hit_tokens > 0
+    assert [r.token_ids for r in again] == [r.token_ids for r in first]
+    _check_valid(again, SCHEMAS[-2:])
 
 
 def test_nothing_compiles_after_warmup_with_constrained_rows(engine, random_model):
@@ -295,3 +317,46 @@ def test_object_schemas_that_do_not_say_take_no_other_properties():
     assert props["either"]["anyOf"][0]["additionalProperties"] is False
     assert out["$defs"]["D"]["additionalProperties"] is False
     assert schema["properties"]["list"]["items"] == {"properties": {"y": {}}}  # not mutated
+
+
+def _finite_schemas(depth: int = 0):
+    """Hypothesis strategy: JSON Schemas whose every valid value is short (bounded strings,
+    numbers, arrays, closed objects), nested up to 3 levels."""
+    from hypothesis import strategies as st
+    names = st.text("abcdefgh", min_size=1, max_size=4)
+    leaves = st.one_of(
+        st.just({"type": "boolean"}), st.just({"type": "null"}),
+        st.lists(names, min_size=1, max_size=3, unique=True).map(lambda xs: {"enum": xs}),
+        st.tuples(st.integers(-20, 20), st.integers(0, 30)).map(
+            lambda t: {"type": "integer", "minimum": t[0], "maximum": t[0] + t[1]}),
+        st.integers(0, 4).map(lambda n: {"type": "string", "maxLength": n}),
+        st.just({"type": "string", "pattern": "^[a-z]{1,3}$"}))
+    if depth >= 3:
+        return leaves
+    inner = st.deferred(lambda: _finite_schemas(depth + 1))
+    arrays = st.tuples(inner, st.integers(0, 3)).map(
+        lambda t: {"type": "array", "items": t[0], "maxItems": t[1]})
+    objects = st.dictionaries(names, inner, min_size=1, max_size=3).flatmap(
+        lambda props: st.sets(st.sampled_from(sorted(props))).map(lambda req: {
+            "type": "object", "properties": props, "required": sorted(req)}))
+    either = st.lists(inner, min_size=2, max_size=2).map(lambda xs: {"anyOf": xs})
+    return st.one_of(leaves, arrays, objects, either)
+
+
+def test_generated_schemas_give_valid_output(engine, random_model):
+    """Hypothesis draws schemas (nested objects, arrays, enums, bounded numbers and strings,
+    anyOf): every constrained output on random weights validates."""
+    from hypothesis import HealthCheck, given, settings
+
+    prompt = _prompts(random_model.tokenizer, 1)
+
+    @settings(max_examples=15, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(schema=_finite_schemas())
+    def check(schema):
+        (r,) = engine.generate(prompt, DecodeConfig(max_new_tokens=600, buffer_size=2,
+                                                    structure=Structure.json_schema(schema)))
+        assert r.finish_reason == "stop", (schema, r.text)
+        jsonschema.validate(json.loads(r.text), schema)
+
+    check()

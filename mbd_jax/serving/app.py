@@ -204,6 +204,10 @@ class Service:
         if req.seed is not None:
             overrides["seed"] = req.seed % 2**31
         structure = self.structure(req, tools)
+        if structure is not None and thinking:  # the grammar would forbid the reasoning
+            raise HTTPError(400, "structured output and forced tool calls need thinking off "
+                                 "(the grammar covers the whole reply); send \"thinking\": false",
+                            param="thinking")
         if structure is not None:
             overrides["structure"] = structure
         seeded = overrides.get("seed") is not None
