@@ -26,6 +26,12 @@ class Tokenizer(abc.ABC):
     @abc.abstractmethod
     def token_to_id(self, token: str) -> int | None: ...
 
+    @property
+    def drops_leading_space(self) -> bool:
+        """Whether decoding drops one space at the start of a text (a sentencepiece model that
+        adds a word-start mark to the first word): a reply may begin with that space."""
+        return False
+
     @abc.abstractmethod
     def grammar_tokenizer(self, n_vocab: int, eos_ids: Sequence[int]) -> Any:
         """This vocabulary as llguidance sees it (an `LLTokenizer`: each token's bytes in the
@@ -63,32 +69,37 @@ class SentencePieceTokenizer(Tokenizer):
         from sentencepiece import sentencepiece_model_pb2
 
         sp = self._sp
-        special = [i for i in range(sp.GetPieceSize())
-                   if sp.IsControl(i) or sp.IsUnknown(i) or sp.IsUnused(i)
-                   or sp.IdToPiece(i) in self._user_defined]
+        user_defined = sentencepiece_model_pb2.ModelProto.SentencePiece.USER_DEFINED
+        special = [i for i, p in enumerate(self._proto.pieces)  # <|mask|>, <|user|>, ...
+                   if sp.IsControl(i) or sp.IsUnknown(i) or sp.IsUnused(i) or p.type == user_defined]
         tokens = [bytes([int(sp.IdToPiece(i)[3:5], 16)]) if sp.IsByte(i)
-                  else sp.IdToPiece(i).replace("\u2581", " ").encode() for i in range(sp.GetPieceSize())]
+                  else sp.IdToPiece(i).replace("\u2581", " ").encode()
+                  for i in range(sp.GetPieceSize())]
         # llguidance tokenizes forced text in the middle of an output: no dummy prefix, spaces
         # kept as they are (a second processor of the same model with those switched off)
         proto = sentencepiece_model_pb2.ModelProto()
-        proto.ParseFromString(sp.serialized_model_proto())
+        proto.CopyFrom(self._proto)
         proto.normalizer_spec.add_dummy_prefix = False
         proto.normalizer_spec.remove_extra_whitespaces = False
         raw = spm.SentencePieceProcessor()
         raw.LoadFromSerializedProto(proto.SerializeToString())
         wrapper = llguidance.TokenizerWrapper(_Vocabulary(
-            tokens, special, list(eos_ids)[0], lambda b: raw.EncodeAsIds(b.decode("utf-8", "replace"))))
+            tokens, special, list(eos_ids)[0],
+            lambda b: raw.EncodeAsIds(b.decode("utf-8", "replace"))))
         return llguidance.LLTokenizer(wrapper, n_vocab=n_vocab, eos_token=list(eos_ids))
 
+    @property
+    def drops_leading_space(self) -> bool:
+        return self._proto.normalizer_spec.add_dummy_prefix
+
     @functools.cached_property
-    def _user_defined(self) -> set[str]:
-        """Pieces the model marks as user-defined specials, such as <|mask|> and <|user|>."""
+    def _proto(self) -> Any:
+        """The model's own description (pieces and their kinds, the normalizer)."""
         from sentencepiece import sentencepiece_model_pb2
 
         proto = sentencepiece_model_pb2.ModelProto()
         proto.ParseFromString(self._sp.serialized_model_proto())
-        kind = sentencepiece_model_pb2.ModelProto.SentencePiece.USER_DEFINED
-        return {p.piece for p in proto.pieces if p.type == kind}
+        return proto
 
 
 class HFTokenizer(Tokenizer):

@@ -97,7 +97,7 @@ def call_grammar(functions: list[Function], parallel: bool) -> str:
                          "required": ["name", "arguments"], "additionalProperties": False}
                         for f in functions], "x-guidance": JSON_STYLE}
     calls = f"call (NL? call)~0..{MAX_PARALLEL_CALLS - 1}" if parallel else "call"
-    return (f"start: \" \"? {calls}\n"  # (a sentencepiece reply's first "▁": json_schema.py)
+    return (f"start: {calls}\n"
             f"call: \"{CALL_OPEN}\" NL? %json {json.dumps(schema)} NL? \"{CALL_CLOSE}\"\n"
             "NL: \"\\n\"\n")
 

@@ -5,8 +5,9 @@ tokens/s (interleaved repeats, medians) and the host cost of the grammar steps.
                                      [--limit 40] [--batch 8] [--repeats 3]
 
 The task's held-out chat prompts (jsonsort: `Sort as JSON: ...`, answered as {"sorted": [...]};
-toolsort: a call of the offered sort tool) decode free and under the task's grammar (jsonsort:
-its JSON Schema; toolsort: the forced call's), per N_buf (N_buf > 1 with eager activation,
+toolsort: a call of the offered sort tool; sort: the plain task, under a regex of its answers)
+decode free and under the task's grammar (jsonsort: its JSON Schema; toolsort: the forced
+call's; sort: SORT_REGEX), per N_buf (N_buf > 1 with eager activation,
 Table 1's thresholds otherwise). A model without the task trained (--model tiny-test: random
 weights) shows what the grammar alone does. Validity: the reply parses and validates (the JSON
 Schema with jsonschema; a call by tool_calls.parse). Grammar cost: host seconds of the grammar
@@ -16,11 +17,15 @@ steps per decode call that had one (engine stats). JSON lines on stdout, the tab
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 import time
 
 import harness  # tools/harness.py, beside this file
+
+
+SORT_REGEX = "[0-9]( [0-9])*"  # a plain sort answer
 
 
 def structure_for(task: str):
@@ -30,6 +35,8 @@ def structure_for(task: str):
 
     if task == "jsonsort":
         return Structure.json_schema(tasks.JSONSORT_SCHEMA)
+    if task == "sort":
+        return Structure("regex", SORT_REGEX)
     return ToolUse((tasks.SORT_TOOL,), "required", False).structure()
 
 
@@ -42,6 +49,8 @@ def valid(task: str, text: str) -> bool:
     if task == "toolsort":
         content, calls = tool_calls.parse(text, [tasks.SORT_TOOL])
         return content is None and len(calls) == 1
+    if task == "sort":
+        return re.fullmatch(SORT_REGEX, text) is not None
     try:
         jsonschema.validate(json.loads(text), tasks.JSONSORT_SCHEMA)
     except (ValueError, jsonschema.ValidationError):
@@ -57,7 +66,8 @@ def main() -> int:
 
     ap = harness.parser(__doc__)
     ap.add_argument("--model", default="tiny-mbd")
-    ap.add_argument("--task", choices=sorted(tasks.STRUCTURED_TASKS), default="jsonsort")
+    ap.add_argument("--task", choices=[*sorted(tasks.STRUCTURED_TASKS), "sort"],
+                    default="jsonsort")
     ap.add_argument("--buffer-size", type=harness.int_list(1), default=[1, 3])
     ap.add_argument("--limit", type=harness.int_at_least(1), default=40)
     ap.add_argument("--batch", type=harness.int_at_least(1), default=8)

@@ -163,11 +163,7 @@ def advance(state: DecodeState, new_window: jax.Array, filled_now: jax.Array, ed
     # Stop: the output ends at the first EOS (inclusive) or at the limit; the row is done once every
     # position before that end is filled (later positions cannot change what came before) and, in
     # edit mode, the blocks holding it have settled.
-    is_eos = (jnp.isin(new_window, jnp.asarray(eos_ids)) & filled & generated
-              & ~p.ignore_eos[:, None])
-    first_eos = jnp.min(jnp.where(is_eos, pos, NO_POSITION), axis=1)
-    stop_pos = jnp.minimum(first_eos + 1, p.limit)
-    gap = ~filled & generated & (pos < stop_pos[:, None])
+    first_eos, stop_pos, gap = text_end(new_window, pos, generated, p, eos_ids, mask_token_id)
     stop_slot = (stop_pos - 1 - state.cached_len) // blk
     unsettled = jnp.any(~settled & (slot <= stop_slot[:, None]), axis=1)
     complete_text = (~jnp.any(gap, axis=1) & (stop_pos <= state.cached_len + w) & ~unsettled
@@ -229,6 +225,19 @@ def advance(state: DecodeState, new_window: jax.Array, filled_now: jax.Array, ed
     )
 
 
+def text_end(win: jax.Array, pos: jax.Array, generated: jax.Array, p: RowParams,
+             eos_ids: tuple[int, ...], mask_token_id: int
+             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Where each row's text ends in window `win` [B, W] (absolute positions `pos`, `generated`
+    past the prompt): (the first EOS's position [B] (NO_POSITION: none), the end of the output
+    [B] (past that EOS, or the limit), the masked generated positions before that end [B, W])."""
+    filled = win != mask_token_id
+    is_eos = jnp.isin(win, jnp.asarray(eos_ids)) & filled & generated & ~p.ignore_eos[:, None]
+    first_eos = jnp.min(jnp.where(is_eos, pos, NO_POSITION), axis=1)
+    stop_pos = jnp.minimum(first_eos + 1, p.limit)
+    return first_eos, stop_pos, ~filled & generated & (pos < stop_pos[:, None])
+
+
 def open_slots(p: RowParams, cached_len, n_slots: int, blk: int, xp=np):
     """[B] the slots a row holds under eager activation: every one whose block starts before the
     row's limit (`xp`: numpy on the host, jax.numpy in the loop)."""
@@ -265,18 +274,42 @@ def check_invariants(state: DecodeState, *, block_size: int, n_slots: int,
 
 
 def with_gates(state: DecodeState, gate: jax.Array, allowed: jax.Array, clear: jax.Array,
-               rows: jax.Array, *, mask_token_id: int) -> DecodeState:
+               rows: jax.Array, *, block_size: int, n_slots: int, eos_ids: tuple[int, ...],
+               mask_token_id: int) -> DecodeState:
     """The host's grammar step (grammar/row.py) written back: rows `rows` [B] bool take gate [B]
     and allowed [B, words], and where `clear` [B] the token at their new gate (one the grammar
-    rejects) becomes MASK again."""
-    b = state.canvas.shape[0]
+    rejects) becomes MASK again. What `advance` would have decided had the text been accepted
+    when it filled is decided now, so no forward is spent on it: blocks the check accepted whole
+    become TO_CACHE (the next forward commits them), and a row whose accepted text is complete
+    (through its EOS, or to its limit) is done (edit mode: both wait for `advance`'s settling
+    rule)."""
+    b, blk = state.canvas.shape[0], block_size
     new_gate = jnp.where(rows, gate, state.gate)
     at = jnp.minimum(new_gate, state.canvas.shape[1] - 1)
     current = state.canvas[jnp.arange(b), at]
     canvas = state.canvas.at[jnp.arange(b), at].set(
         jnp.where(rows & clear, mask_token_id, current))
-    return state.replace(canvas=canvas, gate=new_gate,
-                         allowed=jnp.where(rows[:, None], allowed, state.allowed))
+    state = state.replace(canvas=canvas, gate=new_gate,
+                          allowed=jnp.where(rows[:, None], allowed, state.allowed))
+    vend = grammar_gate.validated_end(new_gate, canvas, mask_token_id)
+    slot = jnp.arange(n_slots)[None, :]
+    win = window(state, n_slots * blk)
+    filled = jnp.all((win != mask_token_id).reshape(b, n_slots, blk), axis=-1)  # [B, N]
+    ready = (filled & (state.cached_len[:, None] + (slot + 1) * blk <= vend[:, None])
+             & (slot < state.n_valid[:, None]) & ~state.params.edit[:, None])
+    accepted = jnp.sum(jnp.cumprod(ready, axis=1), axis=1)
+    live = rows & ~state.done & ~state.params.edit
+    n_to_cache = jnp.where(live, jnp.maximum(state.n_to_cache, accepted), state.n_to_cache)
+    pos = state.cached_len[:, None] + jnp.arange(n_slots * blk)
+    first_eos, stop_pos, gap = text_end(win, pos, pos >= state.prompt_len[:, None],
+                                        state.params, eos_ids, mask_token_id)
+    complete = (live & ~jnp.any(gap, axis=1) & (stop_pos <= state.cached_len + n_slots * blk)
+                & (stop_pos <= vend))
+    finish = jnp.where(first_eos < state.params.limit, FINISH_STOP, FINISH_LENGTH)
+    return state.replace(n_to_cache=n_to_cache.astype(state.n_to_cache.dtype),
+                         done=state.done | complete,
+                         finish=jnp.where(complete, finish, state.finish),
+                         stop_pos=jnp.where(complete, stop_pos, state.stop_pos))
 
 
 def needs_host(state: DecodeState, mask_token_id: int) -> jax.Array:

@@ -80,7 +80,8 @@ def programs(cfg: ModelConfig, mesh: jax.sharding.Mesh, batch_size: int, capacit
         gate_view=jax.jit(lambda state: (block_buffer.window(state, buffer_size * cfg.block_size),
                                          state.cached_len, state.done),
                           out_shardings=replicated),
-        set_gates=jax.jit(functools.partial(block_buffer.with_gates,
+        set_gates=jax.jit(functools.partial(block_buffer.with_gates, block_size=cfg.block_size,
+                                            n_slots=buffer_size, eos_ids=cfg.eos_token_ids,
                                             mask_token_id=cfg.mask_token_id),
                           donate_argnums=0, out_shardings=replicated),
     )

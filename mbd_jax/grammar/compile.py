@@ -42,6 +42,19 @@ def grammar_text(structure: Structure) -> str:
                                    structure.source)
 
 
+def with_leading_space(text: str) -> str:
+    """llguidance grammar `text` with one optional space before its words. A sentencepiece
+    tokenizer that adds a word-start mark to a text's first word writes a reply's first piece
+    with it ("▁{", "▁2") and drops it again when it decodes, so the text is the grammar's word
+    either way; without the space the model's first token would be forced elsewhere and every
+    token after it would sit one place off."""
+    inner = (json.loads(text)["grammars"] if text.lstrip().startswith("{")
+             else [{"lark_grammar": text}])  # llguidance's JSON form, or a Lark grammar
+    inner[0] = {**inner[0], "name": "words"}
+    return json.dumps({"grammars": [{"name": "start", "lark_grammar": 'start: " "? @words'},
+                                    *inner]})
+
+
 class Grammars:
     """The compiled structures of one engine (its tokenizer and vocabulary)."""
 
@@ -73,8 +86,6 @@ class Grammars:
         return RowGrammar(matcher, prompt_len, self.words, self._mask_id, self._eos)
 
     def _matcher(self, structure: Structure, where: str) -> Any:
-        import llguidance
-
         with self._lock:
             if structure in self._compiled:
                 self._compiled.move_to_end(structure)
@@ -88,6 +99,23 @@ class Grammars:
             text = grammar_text(structure)
         except ValueError as e:
             raise UserError(f"{where}: {_short(e)}") from None
+        matcher = self._compile(text, where)
+        probe = matcher.deep_copy()  # (a grammar with no way on errs while computing its mask)
+        probe.compute_bitmask()
+        if probe.is_error():
+            raise UserError(f"{where}: matches no text (no token can start it)")
+        if self._tokenizer.drops_leading_space:
+            matcher = self._compile(with_leading_space(text), where)
+        with self._lock:
+            self._compiled[structure] = matcher
+            while len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+        return matcher
+
+    def _compile(self, text: str, where: str) -> Any:
+        """A matcher of llguidance grammar `text`; UserError naming `where` if it is refused."""
+        import llguidance
+
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
             text, self._llg_tokenizer)
         if failed or messages:  # a warning is a keyword or format it would ignore: refused too
@@ -95,14 +123,6 @@ class Grammars:
         matcher = llguidance.LLMatcher(self._llg_tokenizer, text, log_level=0)
         if matcher.is_error():
             raise UserError(f"{where}: {_short(matcher.get_error())}")
-        probe = matcher.deep_copy()  # (a grammar with no way on errs while computing its mask)
-        probe.compute_bitmask()
-        if probe.is_error():
-            raise UserError(f"{where}: matches no text (no token can start it)")
-        with self._lock:
-            self._compiled[structure] = matcher
-            while len(self._compiled) > COMPILED_KEPT:
-                self._compiled.popitem(last=False)
         return matcher
 
 

@@ -3,8 +3,6 @@
 - JSON is written as Python's json.dumps writes it: ", " and ": ", no other whitespace
   (`JSON_STYLE`, llguidance's options; a schema's own "x-guidance" options override them). With
   any whitespace allowed, a model that is unsure pads its output with spaces: valid, useless.
-- One space may come first (`json_lark`): a sentencepiece model writes its reply's first piece
-  with the word-start mark ("▁{"), which its decoder drops; the JSON is the same either way.
 - An object schema that does not say `additionalProperties` takes no other properties
   (`closed_objects`), as xgrammar's strict mode (vLLM's default) reads it and as OpenAI's strict
   mode requires: an open object lets a model that is unsure invent keys until its budget ends.
@@ -26,12 +24,12 @@ _SCHEMAS = ("additionalProperties", "items", "not", "if", "then", "else", "conta
 
 def json_lark(schema: Any) -> str:
     """A Lark grammar (llguidance's %json) of one JSON value valid under `schema` (a dict, or
-    true / false), read as this module says, an optional space first."""
+    true / false), read as this module says."""
     if isinstance(schema, bool):
         schema = {} if schema else {"not": {}}
     schema = closed_objects(schema)
     schema["x-guidance"] = {**JSON_STYLE, **schema.get("x-guidance", {})}
-    return f'start: " "? %json {json.dumps(schema)}\n'
+    return f"start: %json {json.dumps(schema)}\n"
 
 
 def closed_objects(schema: Any) -> Any:
