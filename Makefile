@@ -64,7 +64,7 @@ bench: $(VENV)/.installed
 	$(BIN)/mbd-jax bench decode --buffer-size 1,2,4 --json
 
 ## make models: retrain the shipped tokenizer, tiny-bd and tiny-mbd from scratch (fixed seeds;
-## twelve stages, 28,600 steps: about 8.5 h on 2 CPU cores, see docs/training.md)
+## twelve stages, 28,900 steps: about 8.5 h on 2 CPU cores, see docs/training.md)
 models: $(VENV)/.installed
 	$(BIN)/python tools/train_tokenizer.py --tasks arith,sort,reverse,recall,sortrev --out configs/tokenizers/tasks --vocab 384
 	rm -rf runs/recall-lookup runs/recall-then-mix runs/recall-then-mix-arith runs/mix-low-lr runs/mix-arith runs/long-lists runs/raw-marked runs/arith-recall runs/recall-two-keys runs/tiny-bd runs/tiny-mbd runs/tiny-mbd-model runs/tiny-mbd-structured
