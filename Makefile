@@ -79,7 +79,7 @@ models: $(VENV)/.installed
 	$(BIN)/mbd-jax train --config configs/train/recall-two-keys.yaml
 	$(BIN)/mbd-jax train --config configs/train/tiny-bd.yaml --output models/tiny-bd --force
 	$(BIN)/mbd-jax train --config configs/train/tiny-mbd.yaml
-	$(BIN)/mbd-jax train --config configs/train/tiny-mbd-structured.yaml --output models/tiny-mbd --force
+	$(BIN)/mbd-jax train --config configs/train/tiny-mbd-structured.yaml --force
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -87,8 +87,8 @@ def test_a_dataset_of_the_built_in_questions_scores_as_the_built_in_split(tmp_pa
     assert (mine.n, mine.correct, mine.tokens, mine.nfe) == (split.n, split.correct, split.tokens,
                                                             split.nfe)
     assert mine.correct >= 7 and mine.format == "dataset:exact"
-    arith = [{"prompt": "What is 12+30?", "answer": 42}, {"prompt": "What is 5+7?", "answer": "12"}]
-    # the raw replies are "Answer: 12+30=42" and "Answer: 5+7=12": right by their last number,
+    arith = [{"prompt": "What is 12+30?", "answer": 42}, {"prompt": "What is 23+19?", "answer": "42"}]
+    # the raw replies are "Answer: 12+30=42" and "Answer: 23+19=42": right by their last number,
     # wrong by exact match, and a pattern finds 42 where 43 is not found
     numbers = evaluate_dataset(model, write(tmp_path / "arith.jsonl", arith), decode, "number")
     assert (numbers.n, numbers.correct) == (2, 2)

@@ -620,6 +620,11 @@ def test_structured_output_through_the_official_client(server, offline):
     ({"guided_choice": "red"}, "guided_choice", "list of strings"),
 ])
 def test_bad_structured_output_requests_are_400_naming_the_field(server, extra, param, message):
+    assert_chat_400(server, extra, param, message)
+
+
+def assert_chat_400(server, extra: dict, param: str, message: str) -> None:
+    """A chat request with `extra` fields is a 400 naming `param` and saying `message`."""
     body = {"messages": [{"role": "user", "content": "hi"}], **extra}
     r = httpx.post(server.url + "/v1/chat/completions", json=body,
                    headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
@@ -736,12 +741,7 @@ def test_langchain_structured_output_and_tool_binding(server):
      "messages[0]", "arguments must be a JSON object"),
 ])
 def test_bad_tool_requests_are_400_naming_the_field(server, extra, param, message):
-    body = {"messages": [{"role": "user", "content": "hi"}], **extra}
-    r = httpx.post(server.url + "/v1/chat/completions", json=body,
-                   headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
-    assert r.status_code == 400, r.text
-    err = r.json()["error"]
-    assert err["param"] == param and message in err["message"], err
+    assert_chat_400(server, extra, param, message)
 
 
 def test_top_k_one_is_greedy_at_any_temperature(server):

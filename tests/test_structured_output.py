@@ -360,3 +360,32 @@ def test_generated_schemas_give_valid_output(engine, random_model):
         jsonschema.validate(json.loads(r.text), schema)
 
     check()
+
+
+def test_a_byte_level_bpe_tokenizer_json_as_converted_models_ship(tmp_path, random_model):
+    """The Hugging Face path (llguidance reads the tokenizer.json itself): a byte-level BPE
+    trained here with the special tokens at the model's ids; constrained outputs of the random
+    model through it are valid JSON."""
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from mbd_jax.tokenizer import load_tokenizer
+    m = random_model
+    specials = ["<pad>", "<unk>", "</s>", "<s>", "<|mask|>"]  # ids 0-4: pad, eos 2, mask 4
+    hf = HFTok(models.BPE(unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    corpus = ['{"name": "ab", "n": [1, 2, 3]}', "Reply with JSON please", "true false null"] * 50
+    hf.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path)
+    assert [tok.token_to_id(s) for s in specials] == [0, 1, 2, 3, 4]
+    assert not tok.drops_leading_space and tok.vocab_size <= m.cfg.vocab_size
+    eng = Engine(m.cfg, m.params, batch_size=4, buffer_size=2, prefill_chunk=64, tokenizer=tok)
+    schemas = SCHEMAS[-4:]
+    results = eng.generate([tok.encode(f"Reply with JSON {i}") for i in range(len(schemas))],
+                           [DecodeConfig(max_new_tokens=300, buffer_size=2,
+                                         structure=Structure.json_schema(s)) for s in schemas])
+    _check_valid(results, schemas)

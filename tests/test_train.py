@@ -321,9 +321,14 @@ def test_the_shipped_training_configs_load_and_chain():
               for line in make.splitlines() if "train --config configs/train/" in line]
     assert stages == ["recall-lookup.yaml", "recall-then-mix.yaml", "recall-then-mix-arith.yaml",
                       "mix-low-lr.yaml", "mix-arith.yaml", "long-lists.yaml", "raw-marked.yaml",
-                      "arith-recall.yaml", "recall-two-keys.yaml", "tiny-bd.yaml", "tiny-mbd.yaml"]
-    for i, stage in enumerate(stages[1:-1], 1):  # each trains on from the stage before it
+                      "arith-recall.yaml", "recall-two-keys.yaml", "tiny-bd.yaml", "tiny-mbd.yaml",
+                      "tiny-mbd-structured.yaml"]
+    for i, stage in enumerate(stages[1:-2], 1):  # each trains on from the stage before it
         assert configs[stage].path(configs[stage].model) == configs[stages[i - 1]].output_dir()
+    # the last stage trains on from stage 11's output and writes the shipped default model
+    last = configs["tiny-mbd-structured.yaml"]
+    assert last.path(last.model) == configs["tiny-mbd.yaml"].output_dir()
+    assert last.output_dir() == ROOT / "models" / "tiny-mbd"
 
 
 def test_a_rare_row_length_still_fills_its_batch():
