@@ -389,3 +389,23 @@ def test_a_byte_level_bpe_tokenizer_json_as_converted_models_ship(tmp_path, rand
                            [DecodeConfig(max_new_tokens=300, buffer_size=2,
                                          structure=Structure.json_schema(s)) for s in schemas])
     _check_valid(results, schemas)
+
+
+def test_a_function_named_like_a_tool_choice_mode_is_still_that_function():
+    """tool_choice naming a function called "auto" forces a call of it (not the auto mode),
+    and the call grammar offers that function only."""
+    from types import SimpleNamespace
+
+    from mbd_jax import tool_calls
+    from mbd_jax.serving import tool_use
+    functions = tool_calls.check_tools([{"type": "function", "function": {"name": n}}
+                                        for n in ("auto", "other")])
+    req = SimpleNamespace(tools=functions, parallel_tool_calls=None,
+                          tool_choice=tool_use.check_tool_choice(
+                              {"type": "function", "function": {"name": "auto"}}))
+    use = tool_use.read(req)
+    assert use.forced and use.name == "auto"
+    source = use.structure().source
+    assert '{"const": "auto"}' in source and '"other"' not in source
+    assert not tool_use.read(SimpleNamespace(tools=functions, parallel_tool_calls=None,
+                                             tool_choice="auto")).forced

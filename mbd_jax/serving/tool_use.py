@@ -11,7 +11,6 @@ call: the reply decodes under the call grammar), {"type": "function", "function"
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 from mbd_jax import tool_calls
@@ -40,14 +39,15 @@ def check_tools(v: Any) -> list[Function] | None:
     return None if v is None else tool_calls.check_tools(v)
 
 
-def check_tool_choice(v: Any) -> str | None:
-    """"none", "auto", "required", or the forced function's name as {"name": ...} text."""
+def check_tool_choice(v: Any) -> str | dict | None:
+    """"none", "auto", "required", or {"name": ...} of the function a call must be (a dict, so a
+    function that happens to be named "auto" stays a function)."""
     if v is None or v in ("none", "auto", "required"):
         return v
     if (isinstance(v, dict) and v.get("type") == "function" and set(v) == {"type", "function"}
             and isinstance(v["function"], dict) and set(v["function"]) == {"name"}
             and isinstance(v["function"]["name"], str)):
-        return json.dumps({"name": v["function"]["name"]})
+        return {"name": v["function"]["name"]}
     raise ValueError('must be "none", "auto", "required" or {"type": "function", "function": '
                      '{"name": ...}}')
 
@@ -61,8 +61,9 @@ class ToolError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class ToolUse:
     functions: tuple[Function, ...]
-    choice: str  # "none", "auto", "required", or a function's name
+    choice: str  # "none", "auto", "required" or "named" (a call of `name`)
     parallel: bool
+    name: str | None = None  # the function a "named" choice calls
 
     @property
     def shown(self) -> list[Function] | None:
@@ -77,7 +78,7 @@ class ToolUse:
         """The call grammar a required or named choice decodes under."""
         if not self.forced:
             return None
-        named = [f for f in self.functions if self.choice in ("required", f.name)]
+        named = [f for f in self.functions if self.choice == "required" or f.name == self.name]
         return Structure("grammar", tool_calls.call_grammar(
             named, self.parallel and self.choice == "required"))
 
@@ -102,10 +103,11 @@ def read(req: Any) -> ToolUse | None:
             raise ToolError("field 'tool_choice' asks for a tool call but no 'tools' are given",
                             "tool_choice")
         return None
-    if choice is not None and choice.startswith("{"):
-        choice = json.loads(choice)["name"]
-        if choice not in {f.name for f in functions}:
-            raise ToolError(f"field 'tool_choice' names function '{choice[:64]}', which is not "
+    name = None
+    if isinstance(choice, dict):
+        choice, name = "named", choice["name"]
+        if name not in {f.name for f in functions}:
+            raise ToolError(f"field 'tool_choice' names function '{name[:64]}', which is not "
                             "among the tools: " + ", ".join(f.name for f in functions),
                             "tool_choice")
-    return ToolUse(tuple(functions), choice or "auto", req.parallel_tool_calls is not False)
+    return ToolUse(tuple(functions), choice or "auto", req.parallel_tool_calls is not False, name)
