@@ -11,7 +11,9 @@ from mbd_jax.config.structure import Structure
 from mbd_jax.errors import ConfigError
 
 UnmaskPolicy = Literal["threshold", "fixed_steps", "factor"]  # decoding/policy.py
-SamplingMode = Literal["naive", "edit"]
+# "edit": filled tokens may be rewritten; "indel": also deleted, or given a MASK before them
+# (Levenshtein editing; models with delete/split ids: decoding/indel.py)
+SamplingMode = Literal["naive", "edit", "indel"]
 BlockActivation = Literal["progress", "eager"]  # when MultiBD's next block joins (decoding/block_buffer.py)
 # edit mode: which blocks wait for a forward that changes nothing in them (decoding/block_buffer.py)
 EditConfirm = Literal["always", "context"]
@@ -57,8 +59,10 @@ class DecodeConfig:
     steps_per_block: int = 8  # fixed_steps: block_size / steps_per_block tokens per step
     factor: float = 1.0  # factor (Fast-dLLM): accept the n most confident with (m+1)(1-c_m) <= factor
     sampling_mode: SamplingMode = "naive"
-    edit_threshold: float = 0.5  # edit: rewrite a filled token when another is this confident
-    max_post_edit_steps: int = 16  # edit: a block is final after block_size + this many steps
+    # edit / indel: rewrite (indel: or delete, or split) a filled token when the model's other
+    # choice is this confident
+    edit_threshold: float = 0.5
+    max_post_edit_steps: int = 16  # edit / indel: a block is final after block_size + this many steps
     # edit: "always": every block waits for a forward that changes nothing in it; "context": only
     # a block last written while an earlier block still had a MASK, or edited, waits for one
     edit_confirm: EditConfirm = "always"
@@ -76,12 +80,19 @@ class DecodeConfig:
     def validate(self, where: str = "decoding") -> None:
         for field, (lo, hi) in RANGES.items():
             _check_range(self, where, field, lo, hi)
+        _check(self.sampling_mode != "indel" or self.voting is None, where,
+               "sampling_mode 'indel' cannot be combined with field 'voting' (positions move)")
         _check(0.0 < self.top_p <= 1.0, where, f"field 'top_p' must be in (0, 1], got {self.top_p}")
         if self.structure is not None:
             _check(self.voting is None, where, "structured output cannot be combined with "
                    "field 'voting' (voting picks an answer out of unconstrained predictions)")
             _check(not self.ignore_eos, where, "structured output cannot be combined with "
                    "field 'ignore_eos' (a constrained output ends where its grammar does)")
+
+    @property
+    def edits(self) -> bool:
+        """Filled tokens may change (sampling_mode edit or indel)."""
+        return self.sampling_mode != "naive"
 
     def tokens_per_step(self, block_size: int) -> int:
         return max(1, -(-block_size // self.steps_per_block))

@@ -149,6 +149,11 @@ class ModelConfig:
     mask_token_id: int = 0
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
+    # Levenshtein editing (LLaDA2.2): the ids a model predicts at a filled position to delete it
+    # or to insert a MASK before it (decoding/indel.py). They are actions, never text. None: the
+    # model has none (sampling_mode "indel" is refused).
+    delete_token_id: int | None = None
+    split_token_id: int | None = None
     # Numerics.
     param_dtype: DType = "float32"  # every parameter but the quantized weights
     compute_dtype: DType = "float32"
@@ -187,6 +192,17 @@ class ModelConfig:
         for f in ("mask_token_id", "pad_token_id"):
             v = getattr(self, f)
             _check(0 <= v < self.vocab_size, where, f"field '{f}' must be in [0, vocab_size), got {v}")
+        specials = {"mask_token_id": self.mask_token_id, **{
+            f: getattr(self, f) for f in ("delete_token_id", "split_token_id")
+            if getattr(self, f) is not None}}
+        for f in ("delete_token_id", "split_token_id"):
+            v = getattr(self, f)
+            _check(v is None or (0 <= v < self.vocab_size and v not in self.eos_token_ids
+                                 and list(specials.values()).count(v) == 1), where,
+                   f"field '{f}' must be null or an id in [0, vocab_size) other than the mask, "
+                   f"EOS and the other edit id, got {v}")
+        _check((self.delete_token_id is None) == (self.split_token_id is None), where,
+               "fields 'delete_token_id' and 'split_token_id' come together (both or neither)")
         _check(len(self.eos_token_ids) > 0, where, "field 'eos_token_ids' must list at least one id")
         for e in self.eos_token_ids:
             _check(0 <= e < self.vocab_size and e != self.mask_token_id, where,
@@ -224,6 +240,11 @@ class ModelConfig:
                 _check(self.num_experts_per_tok <= self.topk_group * per_group, where,
                        "num_experts_per_tok exceeds the experts in the kept groups "
                        f"(topk_group * num_experts / n_group = {self.topk_group * per_group})")
+
+    @property
+    def edit_op_ids(self) -> tuple[int, ...]:
+        """(delete, split) ids, () for a model without Levenshtein editing."""
+        return () if self.delete_token_id is None else (self.delete_token_id, self.split_token_id)
 
     @property
     def rotary_dim(self) -> int:

@@ -54,7 +54,8 @@ class RowParams:
     token_stability_threshold: jax.Array
     tokens_per_step: jax.Array
     factor: jax.Array
-    edit: jax.Array  # bool: sampling_mode == "edit"
+    edit: jax.Array  # bool: sampling_mode "edit" or "indel"
+    indel: jax.Array  # bool: sampling_mode "indel" (decoding/indel.py)
     edit_threshold: jax.Array
     max_block_steps: jax.Array  # edit: block_size + max_post_edit_steps
     confirm_on_context: jax.Array  # bool: edit_confirm == "context"
@@ -94,6 +95,10 @@ class DecodeState:
     # token mask there. A row commits blocks and ends only before its validated end.
     gate: jax.Array  # [B] int32
     allowed: jax.Array  # [B, words] uint32
+    # Levenshtein editing's anti-loop rule (decoding/indel.py; H = 0 for a model without edit
+    # ops): each slot's last H block states (hashes, 0: none) and whether its ops are off.
+    block_history: jax.Array  # [B, N, H] uint32
+    ops_off: jax.Array  # [B, N] bool
     params: RowParams
 
 
@@ -111,10 +116,12 @@ def put_window(state: DecodeState, values: jax.Array, into: jax.Array) -> jax.Ar
 
 
 def _shift_slots(x: jax.Array, c: jax.Array, fill) -> jax.Array:
-    """Slot j takes slot j + c[b]'s value (the buffer shift on commit); `fill` past the end."""
+    """Slot j takes slot j + c[b]'s value (the buffer shift on commit); `fill` past the end.
+    x: [B, N, ...]."""
     n = x.shape[1]
-    src = jnp.arange(n)[None, :] + c[:, None]
-    return jnp.where(src < n, jnp.take_along_axis(x, jnp.minimum(src, n - 1), axis=1), fill)
+    src = (jnp.arange(n)[None, :] + c[:, None]).reshape(c.shape[0], n, *([1] * (x.ndim - 2)))
+    taken = jnp.take_along_axis(x, jnp.minimum(src, n - 1), axis=1)
+    return jnp.where(src < n, taken, jnp.asarray(fill, x.dtype))
 
 
 def advance(state: DecodeState, new_window: jax.Array, filled_now: jax.Array, edited: jax.Array,
@@ -214,6 +221,8 @@ def advance(state: DecodeState, new_window: jax.Array, filled_now: jax.Array, ed
         n_valid=n_valid,
         n_to_cache=n_to_cache,
         slot_steps=slot_steps,
+        block_history=_shift_slots(state.block_history, c, 0),
+        ops_off=_shift_slots(state.ops_off, c, False),
         done=state.done | now_done,
         finish=jnp.where(now_done, finish, state.finish),
         stop_pos=jnp.where(now_done, jnp.where(complete_text, stop_pos, first_gap), state.stop_pos),
@@ -246,12 +255,13 @@ def open_slots(p: RowParams, cached_len, n_slots: int, blk: int, xp=np):
 
 
 def check_invariants(state: DecodeState, *, block_size: int, n_slots: int,
-                     mask_token_id: int) -> jax.Array:
+                     mask_token_id: int, op_ids: tuple[int, ...] = ()) -> jax.Array:
     """Debug mode: True per row where an invariant is broken. O(S_cap) per step.
 
     - cached_len is a multiple of the block size and the window fits the canvas;
     - 0 <= n_to_cache <= n_valid <= min(buffer_size, N) (TO_CACHE is a prefix of the valid slots);
-    - no MASK was ever committed: canvas[prompt_len : cached_len] and the TO_CACHE slots are filled.
+    - no MASK was ever committed: canvas[prompt_len : cached_len] and the TO_CACHE slots are filled;
+    - no edit action id (decoding/indel.py) is on the canvas past the prompt.
     """
     blk, n = block_size, n_slots
     s_cap = state.canvas.shape[1]
@@ -264,6 +274,9 @@ def check_invariants(state: DecodeState, *, block_size: int, n_slots: int,
     bad |= (state.n_to_cache < 0) | (state.n_to_cache > state.n_valid)
     bad |= state.n_valid > jnp.minimum(state.params.buffer_size, n)
     bad |= jnp.any(masked & (committed | to_cache), axis=1)
+    if op_ids:
+        bad |= jnp.any(jnp.isin(state.canvas, jnp.asarray(op_ids))
+                       & (pos >= state.prompt_len[:, None]), axis=1)
     # a constrained row's accepted text has no hole, and nothing past it is committed
     accepted = (pos >= state.prompt_len[:, None]) & (pos < state.gate[:, None])
     bad |= grammar_gate.constrained(state.gate) & (
@@ -340,13 +353,14 @@ def record_prediction(state: DecodeState, window_prediction: jax.Array) -> Decod
 def initial_state(prompts: list[np.ndarray], capacity: int, block_size: int, n_slots: int,
                   mask_token_id: int, params: RowParams, record: tuple[int, int] = (0, 0),
                   put: Callable[[np.ndarray], jax.Array] = jax.device_put,
-                  gate: np.ndarray | None = None, allowed: np.ndarray | None = None
-                  ) -> DecodeState:
+                  gate: np.ndarray | None = None, allowed: np.ndarray | None = None,
+                  history: int = 0) -> DecodeState:
     """Rows start with their full prompt blocks cached (after prefill) and one ACTIVE block: the
     block holding the first generated position, with its prompt positions fixed (eager
     activation: every slot whose block starts before the row's limit). `put` moves a
     host array to the device(s) (the engine's: replicated over its mesh). `gate` [B] and
-    `allowed` [B, words]: the constrained rows' gates and masks (default: no row has one)."""
+    `allowed` [B, words]: the constrained rows' gates and masks (default: no row has one).
+    `history`: block states each slot remembers (indel.HISTORY for a model with edit ops)."""
     b = len(prompts)
     # The canvas is record[1] wider than the KV capacity so the recorded region of any row fits.
     canvas = np.full((b, capacity + record[1]), mask_token_id, np.int32)
@@ -377,5 +391,7 @@ def initial_state(prompts: list[np.ndarray], capacity: int, block_size: int, n_s
         trajectory=put(np.full((b, *record), mask_token_id, np.int32)),
         gate=put(np.full(b, NO_POSITION, np.int32) if gate is None else gate.astype(np.int32)),
         allowed=put(np.zeros((b, 1), np.uint32) if allowed is None else allowed.astype(np.uint32)),
+        block_history=put(np.zeros((b, n_slots, history), np.uint32)),
+        ops_off=put(np.zeros((b, n_slots), bool)),
         params=params,
     )

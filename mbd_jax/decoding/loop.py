@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from mbd_jax.config import ModelConfig
-from mbd_jax.decoding import block_buffer, gate, policy
+from mbd_jax.decoding import block_buffer, gate, indel, policy
 from mbd_jax.decoding.block_buffer import DecodeState
 from mbd_jax.model.forward_meta import ForwardMeta
 
@@ -92,8 +92,8 @@ def decode_step(params: Any, state: DecodeState, kv: Cache, rows: jax.Array | No
     # a constrained row's gate position takes only what its grammar allows there
     logits = gate.mask_logits(logits, state.gate - state.cached_len, state.allowed)
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(p.seed, state.nfe)
-    token, confidence, greedy = policy.predict(logits, cfg.mask_token_id, p.temperature, p.top_k,
-                                               p.top_p, keys)
+    token, confidence, greedy, op_conf = policy.predict(
+        logits, cfg.mask_token_id, p.temperature, p.top_k, p.top_p, keys, cfg.edit_op_ids)
     slot = jnp.arange(w) // blk
     active = (slot[None] >= state.n_to_cache[:, None]) & (slot[None] < state.n_valid[:, None])
     active &= ~state.done[:, None]
@@ -107,14 +107,27 @@ def decode_step(params: Any, state: DecodeState, kv: Cache, rows: jax.Array | No
     filled_now = policy.select(confidence, maskable, prev_fill, p.policy, p.accept_threshold,
                                p.tokens_per_step, p.factor, p.semi_complete_threshold, n_slots)
     # Edit mode: a generated token in an ACTIVE block is rewritten when the model now prefers
-    # another token with confidence above edit_threshold (not text a grammar has accepted).
-    editable = positions >= state.prompt_len[:, None]
-    editable &= ~(gate.constrained(state.gate)[:, None] & (positions < state.gate[:, None]))
-    edited = (~masked & active & editable & p.edit[:, None] & (token != win)
+    # another token with confidence above edit_threshold (not text a grammar has accepted);
+    # indel mode may delete it or insert a MASK before it instead (decoding/indel.py).
+    generated = positions >= state.prompt_len[:, None]
+    editable = generated & ~(gate.constrained(state.gate)[:, None] & (positions < state.gate[:, None]))
+    editable &= ~masked & active & p.edit[:, None]
+    op = jnp.zeros_like(win)
+    if cfg.edit_op_ids:  # static: a model with edit actions
+        ops_on = ~state.ops_off & (state.slot_steps + 1 < p.max_block_steps[:, None])  # [B, N]
+        candidate = editable & p.indel[:, None] & jnp.repeat(ops_on, blk, axis=1)
+        op, forced = indel.plan(op_conf, confidence, candidate, maskable, p.edit_threshold, n_slots)
+        filled_now |= forced
+    edited = (editable & (op == indel.OP_NONE) & (token != win)
               & (confidence > p.edit_threshold[:, None]))
     new_win = jnp.where(filled_now | edited, token, win)
     written = jnp.where(filled_now | edited, jnp.log(jnp.maximum(confidence, 1e-30)),
                         block_buffer.window(state, w, of=state.logprob))
+    if cfg.edit_op_ids:
+        new_win, written = indel.apply(new_win, written, op, active & generated & in_limit,
+                                       n_slots, cfg.mask_token_id)
+        edited |= op != indel.OP_NONE
+        state = indel.remember(state, new_win, filled_now | edited, n_slots)
     state = state.replace(logprob=block_buffer.put_window(state, written, state.logprob))
     if state.trajectory.shape[1] > 0:  # static: voting needs every step's full prediction
         state = block_buffer.record_prediction(
@@ -124,7 +137,8 @@ def decode_step(params: Any, state: DecodeState, kv: Cache, rows: jax.Array | No
                                  mask_token_id=cfg.mask_token_id)
     if debug:
         bad = block_buffer.check_invariants(state, block_size=blk, n_slots=n_slots,
-                                            mask_token_id=cfg.mask_token_id)
+                                            mask_token_id=cfg.mask_token_id,
+                                            op_ids=cfg.edit_op_ids)
         state = state.replace(violations=state.violations + bad)
     return state, kv
 

@@ -31,15 +31,21 @@ def _truncate(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Arra
 
 
 def predict(logits: jax.Array, mask_token_id: int, temperature: jax.Array, top_k: jax.Array,
-            top_p: jax.Array, keys: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+            top_p: jax.Array, keys: jax.Array, op_ids: tuple[int, ...] = ()
+            ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Proposes a token and its confidence at every window position.
 
     logits: [B, W, V] float32; temperature, top_k, top_p: [B]; keys: [B] PRNG keys (one per row, so a
-    row's samples do not depend on its batch neighbours). Returns (token [B, W], confidence [B, W]
-    = softmax probability of that token, mask excluded; greedy [B, W] argmax).
+    row's samples do not depend on its batch neighbours); op_ids: the model's edit-action ids
+    (decoding/indel.py), never proposed as text. Returns (token [B, W], confidence [B, W] =
+    softmax probability of that token, mask excluded; greedy [B, W] argmax; op_conf [B, W, ops]
+    each action's probability under the same softmax).
     """
     logits = logits.at[..., mask_token_id].set(NEG_INF)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
+    op_conf = jnp.exp(log_probs[..., list(op_ids)])
+    if op_ids:
+        logits = logits.at[..., list(op_ids)].set(NEG_INF)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sample():
@@ -54,7 +60,13 @@ def predict(logits: jax.Array, mask_token_id: int, temperature: jax.Array, top_k
 
     token = jax.lax.cond(jnp.any(temperature > 0), sample, lambda: greedy)
     confidence = jnp.exp(jnp.take_along_axis(log_probs, token[..., None], axis=-1)[..., 0])
-    return token, confidence, greedy
+    return token, confidence, greedy, op_conf
+
+
+def rank(score: jax.Array) -> jax.Array:
+    """0 for the highest score along the last axis, 1 for the next, ... (ties: lower index
+    first)."""
+    return jnp.argsort(jnp.argsort(-score, axis=-1, stable=True), axis=-1, stable=True)
 
 
 def select(confidence: jax.Array, maskable: jax.Array, prev_fill: jax.Array, policy: jax.Array,
@@ -81,13 +93,13 @@ def select(confidence: jax.Array, maskable: jax.Array, prev_fill: jax.Array, pol
     blk = w // n_slots
     conf = jnp.where(maskable, confidence, -1.0).reshape(b, n_slots, blk)
     can = maskable.reshape(b, n_slots, blk)
-    rank = jnp.argsort(jnp.argsort(-conf, axis=-1, stable=True), axis=-1, stable=True)
+    order = rank(conf)
     gate = (prev_fill >= semi_complete_threshold[:, None])[..., None]  # [B, N, 1]
 
-    by_factor = can & ((rank + 1) * (1.0 - conf) <= factor[:, None, None])
+    by_factor = can & ((order + 1) * (1.0 - conf) <= factor[:, None, None])
     confident = jnp.where((policy == POLICY_FACTOR)[:, None, None], by_factor,
                           can & (conf > accept_threshold[:, None, None]))
-    fallback = can & (rank == 0) & ~jnp.any(confident, axis=-1, keepdims=True) & gate
-    by_steps = can & (rank < tokens_per_step[:, None, None]) & gate
+    fallback = can & (order == 0) & ~jnp.any(confident, axis=-1, keepdims=True) & gate
+    by_steps = can & (order < tokens_per_step[:, None, None]) & gate
     fixed = (policy == POLICY_FIXED_STEPS)[:, None, None]
     return jnp.where(fixed, by_steps, confident | fallback).reshape(b, w)

@@ -20,7 +20,7 @@ from mbd_jax import compile_stats
 from mbd_jax.cache.offload import OffloadProgress
 from mbd_jax.cache.prefix_store import PrefixStore
 from mbd_jax.config import DecodeConfig, ModelConfig
-from mbd_jax.decoding import block_buffer
+from mbd_jax.decoding import block_buffer, indel
 from mbd_jax.decoding.block_buffer import DecodeState
 from mbd_jax.engine import admission, checks, results
 from mbd_jax.engine.admission import ROW_PREFILL_MIN, Admission, PrefillCall
@@ -147,7 +147,7 @@ class Batch:
         return self.record != (0, 0) and self.tokenizer is not None
 
     def check_decode(self, d: DecodeConfig, where: str = "decoding") -> None:
-        checks.check_decode(d, self.buffer_size, self.can_vote, where)
+        checks.check_decode(self.cfg, d, self.buffer_size, self.can_vote, where)
         if d.structure is not None:  # compiled now (kept for the admission), or refused
             self.grammars.check(d.structure, f"{where}.structure.source")
 
@@ -331,7 +331,8 @@ class Batch:
         host = block_buffer.initial_state(prompts, self.capacity, self.cfg.block_size,
                                           self.buffer_size, self.cfg.mask_token_id,
                                           admission.row_params(self.cfg, prompts, decodes),
-                                          self.record, put=np.asarray, gate=gate, allowed=allowed)
+                                          self.record, put=np.asarray, gate=gate, allowed=allowed,
+                                          history=indel.history_len(self.cfg))
         if done is not None:
             host = host.replace(done=done)
         return self.runner.put_rows(host)

@@ -22,9 +22,13 @@ def check_prompt(cfg: ModelConfig, ids: Sequence[int], where: str = "prompt") ->
                         f"[0, {cfg.vocab_size}) and not the mask id {cfg.mask_token_id}")
 
 
-def check_decode(d: DecodeConfig, buffer_size: int, can_vote: bool,
+def check_decode(cfg: ModelConfig, d: DecodeConfig, buffer_size: int, can_vote: bool,
                  where: str = "decoding") -> None:
     """`can_vote`: the engine records trajectories and has a tokenizer."""
+    if d.sampling_mode == "indel" and not cfg.edit_op_ids:
+        raise UserError(f"{where}: sampling_mode 'indel' needs a model with delete and split "
+                        f"token ids (Levenshtein editing, LLaDA2.2); {cfg.name} has none: use "
+                        "'edit' or 'naive'")
     if d.buffer_size > buffer_size:
         raise UserError(f"{where}: buffer_size {d.buffer_size} exceeds this engine's {buffer_size}")
     if d.voting is not None and not can_vote:

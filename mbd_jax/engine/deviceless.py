@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mbd_jax.config import DATA_ROOT, DecodeConfig, ModelConfig
-from mbd_jax.decoding import block_buffer
+from mbd_jax.decoding import block_buffer, indel
 from mbd_jax.decoding.gate import mask_words
 from mbd_jax.engine import admission
 from mbd_jax.engine.page_plan import pool_size
@@ -152,7 +152,8 @@ def compile_engine(cfg: ModelConfig, mesh: jax.sharding.Mesh, shape: EngineShape
     host = block_buffer.initial_state(prompts, capacity, cfg.block_size, shape.buffer_size,
                                       cfg.mask_token_id,
                                       admission.row_params(cfg, prompts, decodes), put=np.asarray,
-                                      allowed=np.zeros((b, mask_words(cfg.vocab_size)), np.uint32))
+                                      allowed=np.zeros((b, mask_words(cfg.vocab_size)), np.uint32),
+                                      history=indel.history_len(cfg))
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
                          host)
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
