@@ -1,8 +1,9 @@
 """Hugging Face / PyTorch checkpoint -> mbd-jax model directory (config.yaml, params/, tokenizer,
 manifest.json).
 
-Families: `llada2_moe` (LLaDA2: fused query_key_value, sigmoid grouped routing with expert_bias,
-shared experts), `sdar` (Qwen3 architecture), `sdar_moe` (Qwen3-MoE), `qwen3_next` (the Gated
+Families: `llada2_moe` (LLaDA2.0 / 2.1 / 2.2: fused query_key_value, sigmoid grouped routing with
+expert_bias, shared experts; 2.2's block routing from `expert_capacity` and its Levenshtein
+editing ids from `delete_token_id` / `split_token_id`), `sdar` (Qwen3 architecture), `sdar_moe` (Qwen3-MoE), `qwen3_next` (the Gated
 DeltaNet hybrid: Qwen3-Next, and Qwen3.5-MoE's text model, whose linear layers keep q/k/v, z, b
 and a in separate projections instead of Qwen3-Next's per-key-head groups). Tensors are read one at a
 time (safetensors `safe_open`, or one `.bin` shard at a time) and written into preallocated
@@ -178,8 +179,14 @@ def model_config(hf: dict, family: str, name: str, dtype: str, mask_token_id: in
                            moe_intermediate_size=need("moe_intermediate_size"),
                            router="softmax_topk", norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
                            moe_impl="auto", chat_template="qwen")
+    # LLaDA2.2's block routing: `expert_capacity` experts per diffusion block (the window)
+    pool = int(hf.get("expert_capacity") or 0)
+    if pool and not need("num_experts_per_tok") <= pool <= need("num_experts"):
+        raise UserError(f"config.json: expert_capacity {pool} must be in [num_experts_per_tok, "
+                        f"num_experts] = [{hf['num_experts_per_tok']}, {hf['num_experts']}]")
     return ModelConfig(
         **{**common, "qk_norm": bool(hf.get("use_qk_norm", True))}, chat_template="llada2",
+        router_block_pool=pool,
         first_k_dense=int(hf.get("first_k_dense_replace", 0)),
         num_experts=need("num_experts"), num_experts_per_tok=need("num_experts_per_tok"),
         moe_intermediate_size=need("moe_intermediate_size"),
@@ -423,11 +430,39 @@ def _special_ids(src: pathlib.Path, hf: dict, mask_token_id: int | None) -> tupl
     return int(mask_token_id), [int(e) for e in (eos if isinstance(eos, list) else [eos])]
 
 
-def generation_settings_from_hf(src: pathlib.Path) -> dict[str, Any]:
-    """The sampling defaults a Hugging Face generation_config.json states, as generation.yaml's
-    `decoding` section, {} when it asks for greedy decoding (mbd-jax's default). With
-    `do_sample: true`, the temperature, top_k and top_p that transformers would use (its defaults
-    1.0, 50 and 1.0 where the file is silent)."""
+# A checkpoint's block-diffusion decoding defaults, where its generation_config.json states
+# them: the LLaDA2.1 / 2.2 generate() argument names, and SGLang's. Each maps to a DecodeConfig
+# field; a stated editing threshold turns edit mode on (indel on a model with edit actions).
+DIFFUSION_GENERATION_KEYS = {
+    "threshold": "accept_threshold",
+    "editing_threshold": "edit_threshold", "edit_threshold": "edit_threshold",
+    "max_post_steps": "max_post_edit_steps", "max_post_edit_steps": "max_post_edit_steps",
+}
+
+
+EDIT_OP_KEYS = ("delete_token_id", "split_token_id")  # Levenshtein editing's action ids
+
+
+def edit_op_ids(src: pathlib.Path, hf: dict) -> dict[str, int]:
+    """The delete / split ids config.json (else generation_config.json) states: both or none."""
+    found = {k: hf[k] for k in EDIT_OP_KEYS if isinstance(hf.get(k), int)}
+    path = src / "generation_config.json"
+    if not found and path.is_file():
+        gen = json.loads(path.read_text())
+        found = {k: gen[k] for k in EDIT_OP_KEYS if isinstance(gen.get(k), int)}
+    if len(found) == 1:
+        raise UserError(f"config.json states {next(iter(found))} but not "
+                        f"{next(k for k in EDIT_OP_KEYS if k not in found)}: Levenshtein "
+                        "editing needs both")
+    return found
+
+
+def generation_settings_from_hf(src: pathlib.Path, edit_ops: bool = False) -> dict[str, Any]:
+    """The decoding defaults a Hugging Face generation_config.json states, as generation.yaml's
+    `decoding` section ({} when it states none). Sampling: with `do_sample: true`, the
+    temperature, top_k and top_p that transformers would use (its defaults 1.0, 50 and 1.0 where
+    the file is silent); else greedy (mbd-jax's default). Block diffusion: the keys of
+    DIFFUSION_GENERATION_KEYS; `edit_ops`: the model has delete / split ids."""
     path = src / "generation_config.json"
     if not path.is_file():
         return {}
@@ -435,16 +470,23 @@ def generation_settings_from_hf(src: pathlib.Path) -> dict[str, Any]:
         gen = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise UserError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(gen, dict) or gen.get("do_sample") is not True:
+    if not isinstance(gen, dict):
         return {}
-    decoding = {"temperature": gen.get("temperature", 1.0), "top_k": gen.get("top_k", 50),
-                "top_p": gen.get("top_p", 1.0)}
+    decoding: dict[str, Any] = {}
+    if gen.get("do_sample") is True:
+        decoding = {"temperature": gen.get("temperature", 1.0), "top_k": gen.get("top_k", 50),
+                    "top_p": gen.get("top_p", 1.0)}
+    for key, field in DIFFUSION_GENERATION_KEYS.items():
+        if gen.get(key) is not None:
+            decoding[field] = gen[key]
+    if "edit_threshold" in decoding:
+        decoding["sampling_mode"] = "indel" if edit_ops else "edit"
     try:
         from_dict(DecodeConfig, decoding, where=f"{path}")
     except ConfigError as e:
-        log.warning("not carrying the sampling settings over: %s", e)
+        log.warning("not carrying the decoding settings over: %s", e)
         return {}
-    return {"decoding": decoding}
+    return {"decoding": decoding} if decoding else {}
 
 
 BLOCK_SIZE_KEYS = ("block_size", "block_length", "bd_size")  # where checkpoints state it
@@ -518,6 +560,7 @@ def _source_config(src: pathlib.Path, family: str, dtype: str, mask_token_id: in
     block_size = source_block_size(hf, block_size)
     try:
         cfg = model_config(hf, family, src.name, dtype, mask_id, eos_ids, block_size, block_mode)
+        cfg = dataclasses.replace(cfg, **edit_op_ids(src, hf))
         cfg.validate("converted config")
     except ConfigError as e:
         raise UserError(f"config.json does not give a valid model: {e}") from None
@@ -588,10 +631,10 @@ def _write_beside(src: pathlib.Path, dst: pathlib.Path, cfg: ModelConfig) -> Mod
             shutil.copy2(src / name, dst / name)
             if name == "tokenizer.json":
                 tokenizer_name = name
-    settings = generation_settings_from_hf(src)
+    settings = generation_settings_from_hf(src, edit_ops=bool(cfg.edit_op_ids))
     if settings:
         (dst / GENERATION_FILE).write_text(
-            "# Sampling defaults from the source's generation_config.json (mbd-jax convert);\n"
+            "# Decoding defaults from the source's generation_config.json (mbd-jax convert);\n"
             "# settings, outside manifest.json's checksums: tune them here.\n"
             + yaml.safe_dump(settings, sort_keys=False))
     return dataclasses.replace(cfg, tokenizer=tokenizer_name)

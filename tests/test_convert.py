@@ -210,10 +210,10 @@ LLADA = dict(vocab_size=80, hidden_size=32, num_hidden_layers=2, num_attention_h
              mask_token_id=MASK_ID, model_type="llada2_moe", architectures=["LLaDA2MoeModelLM"])
 
 
-def llada_state_dict(seed: int = 0, stacked: bool = False) -> dict[str, torch.Tensor]:
-    """A seeded state dict with LLaDA2's real tensor names and layouts."""
+def llada_state_dict(seed: int = 0, stacked: bool = False, c: dict = LLADA
+                     ) -> dict[str, torch.Tensor]:
+    """A seeded state dict with LLaDA2's real tensor names and layouts (config `c`)."""
     g = torch.Generator().manual_seed(seed)
-    c = LLADA
     d, h, k, dh = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     f, e = c["moe_intermediate_size"], c["num_experts"]
     w = lambda *shape: 0.15 * torch.randn(shape, generator=g)  # noqa: E731
@@ -248,9 +248,9 @@ def llada_state_dict(seed: int = 0, stacked: bool = False) -> dict[str, torch.Te
     return sd
 
 
-def write_llada(dirpath: pathlib.Path, sd: dict) -> pathlib.Path:
+def write_llada(dirpath: pathlib.Path, sd: dict, config: dict = LLADA) -> pathlib.Path:
     dirpath.mkdir(parents=True, exist_ok=True)
-    (dirpath / "config.json").write_text(json.dumps(LLADA))
+    (dirpath / "config.json").write_text(json.dumps(config))
     save_file({k: v.contiguous() for k, v in sd.items()}, str(dirpath / "model.safetensors"))
     return dirpath
 
