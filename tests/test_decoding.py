@@ -336,24 +336,36 @@ def test_prefill_chunks_interleave_with_running_rows(cfg, params):
     assert [r.token_ids for r in got] == [w.token_ids for w in want]
 
 
-def test_top_k_and_top_p_keep_the_numpy_reference_set():
+@pytest.mark.parametrize("ties", [False, True])
+def test_top_k_and_top_p_keep_the_numpy_reference_set(ties):
     """Per row: the top_k most likely tokens (0: all), cut further to the smallest set whose
-    mass reaches top_p; everything else is masked out of sampling."""
+    mass reaches top_p, tokens tied with the last one kept included; everything else is masked
+    out of sampling. The searched cutoffs equal sorting's on random logits, with ties, a masked
+    (NEG_INF) token, k past the vocabulary and p of 1."""
     from mbd_jax.decoding.policy import _truncate
-    rng = np.random.default_rng(0)
-    logits = rng.normal(size=(4, 3, 50)).astype(np.float32) * 2
-    top_k = np.array([0, 1, 5, 7], np.int32)
-    top_p = np.array([0.5, 1.0, 1.0, 0.6], np.float32)
-    kept = np.asarray(_truncate(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p))) > -1e29
-    for b in range(4):
-        for w in range(3):
-            order = np.argsort(-logits[b, w])
-            p = np.exp(logits[b, w] - logits[b, w].max())
-            p = p[order] / p.sum()
-            n = int(np.sum(np.cumsum(p) - p < top_p[b]))
-            if top_k[b]:
-                n = min(n, top_k[b])
-            assert set(np.flatnonzero(kept[b, w])) == set(order[:n].tolist()), (b, w)
+    from mbd_jax.model.layers import NEG_INF
+    rng = np.random.default_rng(1 if ties else 0)
+    for _ in range(5):
+        logits = rng.normal(size=(6, 3, 50)).astype(np.float32) * 2
+        if ties:
+            logits = np.round(logits * 2) / 2  # many equal logits
+        logits[:, :, 7] = NEG_INF
+        top_k = np.array([0, 1, 5, 7, 80, 0], np.int32)
+        top_p = np.array([0.5, 1.0, 1.0, 0.6, 0.95, 1.0], np.float32)
+        kept = np.asarray(_truncate(jnp.asarray(logits), jnp.asarray(top_k),
+                                    jnp.asarray(top_p))) > -1e29
+        for b in range(6):
+            for w in range(3):
+                x = logits[b, w].astype(np.float64)
+                order = np.argsort(-x, kind="stable")
+                p = np.exp(x - x.max())
+                p = p[order] / p.sum()
+                n = int(np.sum(np.cumsum(p) - p < top_p[b]))
+                if top_k[b]:
+                    n = min(n, top_k[b])
+                want = np.flatnonzero((x >= x[order[n - 1]]) & (x > NEG_INF / 2))
+                got = np.flatnonzero(kept[b, w] & (x > NEG_INF / 2))
+                assert got.tolist() == want.tolist(), (b, w)
 
 
 def test_logprobs_equal_a_full_sequence_forward_at_commit_time(cfg, params):

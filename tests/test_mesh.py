@@ -119,6 +119,9 @@ ENGINE = textwrap.dedent("""
                                 structure=s) for t, s in [
         (0.0, Structure.json_schema(schema)), (1.0, Structure("regex", "[a-z]{3,9}")),
         (0.0, None), (0.5, Structure.json_schema(schema))]]
+    sampling = [DecodeConfig(buffer_size=2, max_new_tokens=24, ignore_eos=True, temperature=t,
+                             top_k=k, top_p=p, seed=s) for t, k, p, s in [
+        (1.0, 0, 1.0, 1), (0.8, 5, 1.0, 2), (1.2, 0, 0.7, 3), (1.0, 12, 0.9, 4)]]
     def run(mesh, loop="unrolled"):
         model = load_model("tiny-mbd", mesh=mesh, runtime={"layer_loop": loop})
         # row_prefill_min 8: the 9-token prompt's chunk runs over its own row, the rest share
@@ -129,10 +132,11 @@ ENGINE = textwrap.dedent("""
         c0 = compile_stats.compiles()
         again = [r.token_ids for r in engine.generate(prompts[::-1], decode)][::-1]
         structured = [r.text for r in engine.generate(prompts, constrained)]
+        sampled = [r.token_ids for r in engine.generate(prompts, sampling)]
         layer_1 = engine.params.get("layer_1") or engine.params["layers_1_4"]  # scan: stacked
         experts = layer_1["moe"]["experts_up"]
         return {"tokens": first, "again": again, "compiles": compile_stats.compiles() - c0,
-                "structured": structured,
+                "structured": structured, "sampled": sampled,
                 "kv_local": list(jax.tree.leaves(engine.kv)[0].addressable_shards[0].data.shape)[-4:],
                 "kv_global": list(jax.tree.leaves(engine.kv)[0].shape)[-4:],
                 "kv_stacked": engine.kv.positional.stacked,
@@ -148,7 +152,7 @@ ENGINE = textwrap.dedent("""
 
 def test_sharded_engine_generates_the_same_tokens():
     """The shipped tiny-mbd generates identical tokens on an 8-device (data, expert, tensor) mesh
-    as on one device, its layers scanned under the mesh, its KV buffer and experts split and
+    as on one device (greedy, constrained, and seeded sampling with temperature, top-k, top-p), its layers scanned under the mesh, its KV buffer and experts split and
     nothing compiled after warm-up (constrained rows among them)."""
     out = run_on_8_cpu_devices(ENGINE)
     one = out.pop("one")
@@ -158,6 +162,7 @@ def test_sharded_engine_generates_the_same_tokens():
         assert got["tokens"] == one["tokens"], spec
         assert got["again"] == one["tokens"], spec
         assert got["structured"] == one["structured"], spec
+        assert got["sampled"] == one["sampled"], spec  # top-k / top-p searched on the shards
         assert got["compiles"] == 0, spec
         sizes = meshlib.parse_mesh(spec.removeprefix("scan: "), 8)
         p, page, k, dh = got["kv_global"]  # tiny-moe: 2 KV heads, 8 experts of width 128
@@ -303,16 +308,23 @@ VOCAB_COLLECTIVES = textwrap.dedent("""
 """)
 
 
-def test_the_vocabulary_never_leaves_its_tensor_shard_unless_top_k_or_top_p_asks():
+def test_the_vocabulary_never_leaves_its_tensor_shard():
     """The decode program on a tensor=2 mesh (the LM head's vocabulary split in two): greedy
-    argmax, the confidences (log-softmax) and plain temperature sampling (Gumbel-max) reduce over
-    the vocabulary shard by shard, moving [rows, window]-sized values; the only collectives that
-    carry a whole vocabulary row are in the top-k / top-p truncation (its sort and cumulative
-    sum), compiled in a branch that runs only when some row asks for it."""
+    argmax, the confidences, temperature sampling (Gumbel-max) and the top-k / top-p cutoffs
+    (binary searches) reduce over the vocabulary shard by shard. No collective outside the
+    model carries a vocabulary-sized dimension; each is an all-reduce of one value per window
+    position, and a greedy step makes three (max, argmax, the softmax's sum): per position 3
+    values cross the mesh where gathering the logits would move the whole vocabulary."""
     got = run_on_8_cpu_devices(VOCAB_COLLECTIVES)
     vocab, collectives = got["vocab"], got["collectives"]
-    full = [c for c in collectives if vocab in c["dims"]]
-    assert full and all("cumsum" in c["op"] or "sort" in c["op"] for c in full), full
-    # the reductions do cross the shards: small all-reduces of the softmax's max and sum
-    assert any(c["kind"] == "all-reduce" and c["dims"][:2] == [2, 16] and "softmax" in c["op"]
-               for c in collectives), collectives
+    b, w = 2, 16  # the engine shape's rows and window (N_buf 2 x blk 8)
+    policy = [c for c in collectives if "Transformer" not in c["op"]]
+    assert policy and not any(vocab in c["dims"] for c in collectives), collectives
+    assert all(c["kind"] == "all-reduce" and c["dims"][:2] == [b, w] for c in policy), policy
+    greedy = [c for c in policy if "branch" not in c["op"]]  # outside the sampling branches
+    per_loop = len(greedy) // 2  # the loop body is compiled for each window width in use
+    assert per_loop == 3 and sorted(c["op"].rsplit("/", 1)[1] for c in greedy[:3]) == [
+        "reduce_max", "reduce_min", "reduce_sum"], greedy
+    gathered = b * w * vocab * 4  # bytes: the logits of one step, gathered
+    reduced = sum(4 * math.prod(c["dims"]) for c in greedy[:3])
+    assert gathered / reduced == vocab / 3

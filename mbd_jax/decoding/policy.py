@@ -18,16 +18,73 @@ POLICY_FACTOR = 2
 POLICY_IDS = {"threshold": POLICY_THRESHOLD, "fixed_steps": POLICY_FIXED_STEPS, "factor": POLICY_FACTOR}
 
 
+def _float_key(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 with the same order (negative floats reversed, then all shifted)."""
+    i = jax.lax.bitcast_convert_type(x, jnp.int32)
+    i = jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)
+    return jax.lax.bitcast_convert_type(i ^ jnp.int32(-(2**31)), jnp.uint32)
+
+
+def _key_float(k: jax.Array) -> jax.Array:
+    """The inverse of _float_key."""
+    i = jax.lax.bitcast_convert_type(k, jnp.int32) ^ jnp.int32(-(2**31))
+    return jax.lax.bitcast_convert_type(jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i), jnp.float32)
+
+
+def _largest_thresholds(logits: jax.Array, holds) -> jax.Array:
+    """For each of the two conditions holds(t) -> [2, B, W] (each true at every position's min
+    logit, and only turning false as t grows), the largest value t with it true: [2, B, W]. A
+    binary search over the ordered float keys between each position's min and max logit, both
+    conditions in one loop (each halving reads the logits once): 32 halvings pin one float, each
+    a reduction over the vocabulary, so a tensor-split vocabulary stays on its shards."""
+    lo = jnp.broadcast_to(_float_key(jnp.min(logits, axis=-1)), (2, *logits.shape[:-1]))
+    hi = jnp.broadcast_to(_float_key(jnp.max(logits, axis=-1)), lo.shape)
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo + 1) // 2
+        ok = holds(_key_float(mid)) & (lo < hi)
+        return jnp.where(ok, mid, lo), jnp.where(ok | (lo >= hi), hi, mid - 1)
+
+    lo, _ = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+    return _key_float(lo)
+
+
 def _truncate(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Keeps the smallest set of tokens whose probability reaches top_p, and at most top_k of
-    them (top_k 0: no limit). logits: [B, W, V]; top_k, top_p: [B]."""
-    sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
-    n_keep = jnp.maximum(jnp.sum(before < top_p[:, None, None], axis=-1), 1)  # [B, W]
-    n_keep = jnp.where(top_k[:, None] > 0, jnp.minimum(n_keep, top_k[:, None]), n_keep)
-    cutoff = jnp.take_along_axis(sorted_logits, (n_keep - 1)[..., None], axis=-1)
-    return jnp.where(logits >= cutoff, logits, NEG_INF)
+    them (top_k 0: no limit); tokens tied with the last one kept are kept too. logits: [B, W, V];
+    top_k, top_p: [B].
+
+    No sort: the top-k cutoff is the largest value with at least k logits at or above it, the
+    top-p cutoff the largest value whose logits at or above it hold at least top_p of the
+    probability, both found by one binary search of [B, W] reductions (_largest_thresholds);
+    the kept set is every logit at or above the higher cutoff (the same set as sorting and
+    cutting at rank min(k, n_p) - 1, ties included). 32 reads of the logits where a sort would
+    sort them."""
+    probs = jax.nn.softmax(logits, axis=-1)
+    k, p = top_k[:, None], top_p[:, None]
+
+    def holds(t):  # t: [2, B, W] candidate cutoffs for top-k, top-p
+        at_least = logits[None] >= t[..., None]  # [2, B, W, V]
+        count = jnp.sum(at_least[0], axis=-1)
+        mass = jnp.sum(jnp.where(at_least[1], probs, 0.0), axis=-1)
+        return jnp.stack([count >= k, mass >= p])
+
+    by_k, by_p = _largest_thresholds(logits, holds)
+    no_limit = jnp.full_like(by_k, -jnp.inf)
+    cutoff = jnp.maximum(jnp.where(k > 0, by_k, no_limit), jnp.where(p < 1.0, by_p, no_limit))
+    return jnp.where(logits >= cutoff[..., None], logits, NEG_INF)
+
+
+def max_and_argmax(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(max, argmax) over the last axis (ties: the lowest index) as two plain reductions, the
+    max and then the least index holding it: on a tensor-split vocabulary each is an all-reduce
+    of one value per position, where a variadic (value, index) reduce gathers a pair from every
+    shard."""
+    top = jnp.max(x, axis=-1)
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    first = jnp.min(jnp.where(x == top[..., None], index, x.shape[-1]), axis=-1)
+    return top, first.astype(jnp.int32)
 
 
 def predict(logits: jax.Array, mask_token_id: int, temperature: jax.Array, top_k: jax.Array,
@@ -40,27 +97,35 @@ def predict(logits: jax.Array, mask_token_id: int, temperature: jax.Array, top_k
     (decoding/indel.py), never proposed as text. Returns (token [B, W], confidence [B, W] =
     softmax probability of that token, mask excluded; greedy [B, W] argmax; op_conf [B, W, ops]
     each action's probability under the same softmax).
+
+    Every quantity is a reduction over the vocabulary: with the LM head split on the tensor
+    axis, a greedy step moves three values per position (the max, the argmax, the softmax's
+    sum: all-reduces), never a logit row; sampling adds the drawn token's logit, and top-k / top-p
+    their binary searches' sums (tests/test_mesh.py reads the compiled program).
     """
     logits = logits.at[..., mask_token_id].set(NEG_INF)
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    op_conf = jnp.exp(log_probs[..., list(op_ids)])
-    if op_ids:
-        logits = logits.at[..., list(op_ids)].set(NEG_INF)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    text = logits.at[..., list(op_ids)].set(NEG_INF) if op_ids else logits
+    top, greedy = max_and_argmax(text)  # [B, W]
+    op_logits = logits[..., list(op_ids)]  # [B, W, ops]
+    m = jnp.maximum(top, jnp.max(op_logits, axis=-1)) if op_ids else top
+    # log-probability of x at a position = (x - m) - log_z, as jax.nn.log_softmax computes it
+    log_z = jnp.log(jnp.sum(jnp.exp(logits - m[..., None]), axis=-1))  # [B, W]
+    op_conf = jnp.exp((op_logits - m[..., None]) - log_z[..., None])
 
     def sample():
-        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None, None]
-        # top-k / top-p sort the whole vocabulary: only when some row asks. Plain temperature
-        # sampling draws by Gumbel-max, reductions over the vocabulary only, so logits split
-        # over tensor shards stay there (tests/test_mesh.py checks the compiled program).
+        scaled = text / jnp.maximum(temperature, 1e-6)[:, None, None]
+        # Temperature sampling draws by Gumbel-max and top-k / top-p cut by binary searches
+        # (_truncate, only when some row asks): reductions over the vocabulary only.
         truncate = jnp.any((top_k > 0) | (top_p < 1.0))
         scaled = jax.lax.cond(truncate, lambda: _truncate(scaled, top_k, top_p), lambda: scaled)
-        drawn = jax.vmap(lambda k, lg: jax.random.categorical(k, lg, axis=-1))(keys, scaled)
-        return jnp.where((temperature > 0)[:, None], drawn.astype(jnp.int32), greedy)
+        # jax.random.categorical's Gumbel-max draw (the same noise), its argmax as all-reduces
+        drawn = jax.vmap(lambda k, lg: max_and_argmax(
+            jax.random.gumbel(k, lg.shape, lg.dtype) + lg)[1])(keys, scaled)
+        token = jnp.where((temperature > 0)[:, None], drawn.astype(jnp.int32), greedy)
+        return token, jnp.take_along_axis(text, token[..., None], axis=-1)[..., 0]
 
-    token = jax.lax.cond(jnp.any(temperature > 0), sample, lambda: greedy)
-    confidence = jnp.exp(jnp.take_along_axis(log_probs, token[..., None], axis=-1)[..., 0])
-    return token, confidence, greedy, op_conf
+    token, chosen = jax.lax.cond(jnp.any(temperature > 0), sample, lambda: (greedy, top))
+    return token, jnp.exp((chosen - m) - log_z), greedy, op_conf
 
 
 def rank(score: jax.Array) -> jax.Array:
