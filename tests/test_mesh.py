@@ -41,14 +41,18 @@ FORWARD = textwrap.dedent("""
     out = []
     # Every mesh shape for one path; two shapes (expert alone, expert with tensor) for the others;
     # the tiled rows scan their layers (stacked parameters and shard_map inside the scan).
-    for router, impl, shapes in (
-            ("sigmoid_grouped", "ragged", ((1, 1, 8), (1, 8, 1), (2, 2, 2), (1, 4, 2))),
-            ("softmax_topk", "tiled", ((1, 8, 1), (2, 2, 2))),
-            ("softmax_topk", "looped", ((1, 8, 1), (1, 4, 2)))):
+    # block routing (pool 3 of 8 experts per 8-token window) on the ragged and looped paths
+    for router, impl, shapes, pool in (
+            ("sigmoid_grouped", "ragged", ((1, 1, 8), (1, 8, 1), (2, 2, 2), (1, 4, 2)), 0),
+            ("softmax_topk", "tiled", ((1, 8, 1), (2, 2, 2)), 0),
+            ("softmax_topk", "looped", ((1, 8, 1), (1, 4, 2)), 0),
+            ("sigmoid_grouped", "ragged", ((2, 2, 2),), 3),
+            ("softmax_topk", "looped", ((1, 4, 2),), 3)):
         grouped = router == "sigmoid_grouped"
         cfg = tiny_cfg(router=router, moe_impl=impl, num_heads=8, num_kv_heads=8,
                        n_group=4 if grouped else 1, topk_group=2 if grouped else 1,
-                       layer_loop="scan" if impl == "tiled" else "unrolled")
+                       layer_loop="scan" if impl == "tiled" else "unrolled",
+                       router_block_pool=pool)
         params = init_params(cfg)
         rng = np.random.default_rng(0)
         tokens = rng.integers(5, cfg.vocab_size, size=(2, 24)).astype(np.int32)
@@ -68,7 +72,8 @@ FORWARD = textwrap.dedent("""
             experts = layer_1(sharded)["moe"]["experts_up"]
             q = (sharded.get("layer_0") or sharded["layers_0_1"])["attn"]["q_proj"]
             kv = jax.tree.leaves(sharding.cache_shardings(cfg, m, 2, 64))[0]  # scan: all layers
-            out.append({"router": router, "impl": impl, "mesh": shape, "err": float(np.abs(got - ref).max()),
+            out.append({"router": router, "impl": impl, "mesh": shape, "pool": pool,
+                        "err": float(np.abs(got - ref).max()),
                         "experts_local": list(experts.addressable_shards[0].data.shape)[-3:],
                         "experts_global": list(experts.shape)[-3:],
                         "q_local": list(q.addressable_shards[0].data.shape)[-3:],
@@ -84,11 +89,23 @@ FORWARD = textwrap.dedent("""
 
 def test_expert_parallel_forward_equals_unsharded_on_8_cpu_devices():
     """The forward under a mesh (experts in shard_map, the rest partitioned by XLA) equals the
-    one-device forward, for both routers, on four mesh shapes; parameters and the KV buffer are
-    really split; the compiled program combines the experts with an all-reduce of the [N, D]
-    outputs and never gathers the expert weights."""
+    one-device forward, for both routers, on four mesh shapes, with block routing too; parameters
+    and the KV buffer are really split; the compiled program combines the experts with an
+    all-reduce of the [N, D] outputs and never gathers the expert weights. Block routing keeps
+    the same activation all-reduces (the combine is one all-reduce whatever the routing: what
+    the pool saves is expert weight reads, docs/performance.md); it only changes the small
+    routing collectives ([N, E] scores)."""
     rows = run_on_8_cpu_devices(FORWARD)
-    assert len(rows) == 8
+    assert len(rows) == 10
+    size = lambda shape: math.prod(int(n) for n in shape[4:-1].split(","))  # noqa: E731
+    key = lambda r: (r["router"], r["impl"], tuple(r["mesh"]))  # noqa: E731
+    plain = {key(r): r for r in rows if r["pool"] == 0}
+    for row in rows:
+        if row["pool"] and key(row) in plain:
+            wide = lambda r: sorted(x for x in r["all_reduce"] if size(x) > 2 * 24 * 8)  # noqa: E731
+            assert wide(row) == wide(plain[key(row)]), row
+            assert all(size(x) <= 2 * 24 * 8 for x in row["all_reduce"] + row["all_gather"]
+                       if x not in plain[key(row)]["all_reduce"]), row
     for row in rows:
         data, expert, tensor = row["mesh"]
         assert row["err"] < 2e-5, row  # float32; only the order of sums differs
@@ -96,7 +113,6 @@ def test_expert_parallel_forward_equals_unsharded_on_8_cpu_devices():
         assert row["experts_local"] == [e // expert, d, f // tensor], row
         assert row["q_local"][1] == 8 // tensor, row  # heads split on tensor
         assert row["kv_local"] == [2, 64, 8 // tensor, 16], row  # KV pages: on every data shard
-        size = lambda shape: math.prod(int(n) for n in shape[4:-1].split(","))  # noqa: E731
         assert 2 * 24 // data * row["hidden"] in map(size, row["all_reduce"]), row  # the combine
         for shape in row["all_gather"]:  # routing logits may be gathered, expert weights never
             assert size(shape) < d * f, row
