@@ -84,7 +84,8 @@ class Service:
             model=self.model_name, max_new_tokens=self.cfg.generation.max_new_tokens_limit, prompts=s.max_segments,
             vocab_size=model.vocab_size, mask_token_id=model.mask_token_id,
             context=model.max_seq_len, buffer_size=s.buffer_size,
-            max_nfe=self.cfg.generation.max_nfe_limit, can_vote=self.scheduler.engine.can_vote))
+            max_nfe=self.cfg.generation.max_nfe_limit, can_vote=self.scheduler.engine.can_vote,
+            edit_ops=bool(model.edit_op_ids)))
 
     # ------------------------------------------------------------ request checks
     def authorize(self, request: HTTPRequest, route: str, admin: bool = False) -> keys.Caller:

@@ -364,6 +364,7 @@ class Limits:
     buffer_size: int  # server.buffer_size: the largest decoding.buffer_size
     max_nfe: int  # generation.max_nfe_limit
     can_vote: bool  # decoding.voting is served (the engine records trajectories)
+    edit_ops: bool  # sampling_mode "indel" is served (the model has delete / split ids)
 
 
 def decoding_schema(limits: Limits) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -384,6 +385,9 @@ def decoding_schema(limits: Limits) -> tuple[dict[str, Any], dict[str, Any]]:
     defs["VotingConfig"]["properties"]["alpha"].update(minimum=0, maximum=100)
     if not limits.can_vote:
         del props["voting"]
+    if not limits.edit_ops:
+        modes = props["sampling_mode"]["enum"]
+        props["sampling_mode"]["enum"] = [m for m in modes if m != "indel"]
     del props["structure"]  # asked for by response_format / structured_outputs (structured.py)
     defs.pop("Structure", None)
     for obj in (schema, defs["VotingConfig"]):
