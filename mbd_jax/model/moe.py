@@ -137,9 +137,10 @@ def balance_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
 
 
 def experts_dense(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: Experts,
-                  w_up: Experts, w_down: Experts, out_dtype=None) -> jax.Array:
+                  w_up: Experts, w_down: Experts, out_dtype=None, act=jax.nn.silu) -> jax.Array:
     """Every expert on every token, combined with the routing weights (the reference, and the
-    fastest path when there are few tokens per expert, as in decoding).
+    fastest path when there are few tokens per expert, as in decoding). `act`: the gate's
+    activation (SiLU; DiffusionGemma's experts take tanh-approximated GELU).
 
     x: [N, D]; ids, weights: [N, k]; w_gate, w_up: [E, D, F]; w_down: [E, F, D]. Returns [N, D].
     Laid out for plain GEMMs: gate/up as one batched matmul over experts, the routing weights
@@ -156,7 +157,7 @@ def experts_dense(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: Expe
     # The barrier keeps XLA:CPU from fusing both matmuls and the gating into one loop nest,
     # which it then runs without its GEMM kernel (2.6x slower at decode sizes).
     gate, up = jax.lax.optimization_barrier((jnp.matmul(xs, w_gate), jnp.matmul(xs, w_up)))
-    h = jax.nn.silu(gate) * up * combine.T.astype(gate.dtype)[:, :, None]  # [E, N, F]
+    h = act(gate) * up * combine.T.astype(gate.dtype)[:, :, None]  # [E, N, F]
     h = jax.lax.optimization_barrier(jnp.transpose(h, (1, 0, 2)).reshape(n, e * f))  # [N, E*F]
     out = jnp.matmul(h, w_down.reshape(e * f, -1), preferred_element_type=jnp.float32)
     return out.astype(out_dtype or x.dtype)

@@ -1,0 +1,138 @@
+"""DiffusionGemma against transformers' own implementation: a tiny random checkpoint written by
+`save_pretrained` (safetensors), converted; the encoder pass's KV equals transformers' cache and
+the decoder pass's logits equal its logits (given the same cache, canvas and self-conditioning
+logits) within 1e-4, on sliding and global layers, with a context longer than the window and
+after a canvas is committed."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from mbd_jax.convert_diffusion_gemma import config_from_hf, decoding_from_hf, params_from_hf
+from mbd_jax.errors import ConfigError, UserError
+from mbd_jax.model import diffusion_gemma as dg
+
+TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16,
+            num_global_key_value_heads=1, sliding_window=8, num_experts=4, top_k_experts=2,
+            moe_intermediate_size=16, max_position_embeddings=256, pad_token_id=0,
+            eos_token_id=1, bos_token_id=2)
+VISION = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=32,
+              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=8)
+CANVAS = 8
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """(the transformers model, our config and params converted from its saved checkpoint)."""
+    from safetensors import safe_open
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+    torch.manual_seed(0)
+    cfg = DiffusionGemmaConfig(text_config=TEXT, vision_config=VISION, canvas_length=CANVAS)
+    model = DiffusionGemmaForBlockDiffusion(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # norms and scales away from their init of one, the modes' scalars apart
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "layernorm.weight", "layernorm_1.weight",
+                              "layernorm_2.weight", "router.scale", "per_expert_scale")):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+        model.model.decoder.embed_tokens.weight.mul_(8.0)  # logits of a few units (tied head)
+        for i in range(TEXT["num_hidden_layers"]):
+            model.model.decoder.layers[i].layer_scalar.fill_(0.5 + 0.1 * i)
+            model.model.encoder.language_model.layers[i].layer_scalar.fill_(1.3 - 0.2 * i)
+    path = tmp_path_factory.mktemp("dgemma")
+    model.save_pretrained(path)
+    with safe_open(str(path / "model.safetensors"), framework="numpy") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    ours = config_from_hf(json.loads((path / "config.json").read_text()), "tiny-dgemma")
+    return model, ours, params_from_hf(tensors.__getitem__, set(tensors), ours), path
+
+
+def test_the_config_converts(reference):
+    _, cfg, params, _ = reference
+    assert cfg.layer_types == ("sliding_attention", "sliding_attention", "full_attention")
+    assert (cfg.head(0), cfg.head(2)) == ((2, 8), (1, 16))
+    assert (cfg.global_rope_fraction, cfg.canvas_length, cfg.eos_token_ids) == (0.25, 8, (1,))
+    assert "v" in params["layers"][0]["attn"] and "v" not in params["layers"][2]["attn"]
+    assert params["layers"][1]["scalar"].tolist() == pytest.approx([0.6, 1.1])  # decoder, encoder
+
+
+def _hf_encode(model, ids, cache=None):
+    from transformers import DynamicCache
+
+    cache = cache if cache is not None else DynamicCache(config=model.config.text_config)
+    start = cache.get_seq_length()
+    with torch.no_grad():
+        model.model.encoder(input_ids=torch.tensor(ids), cache=cache,
+                            position_ids=torch.arange(start, start + len(ids[0]))[None])
+    return cache
+
+
+def test_encoder_kv_and_decoder_logits_equal_transformers(reference):
+    """Prompt of 20 tokens (the window is 8), a first canvas decoded with and without
+    self-conditioning, committed, and a second canvas decoded after it."""
+    model, cfg, params, _ = reference
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, TEXT["vocab_size"], (1, 20))
+    hf_cache = _hf_encode(model, prompt.tolist())
+    cache = dg.encode(params, cfg, jnp.asarray(prompt, jnp.int32), jnp.zeros(1, jnp.int32),
+                      dg.allocate_cache(cfg, 1, 64))
+    _check_cache(cfg, cache, hf_cache, 20)
+
+    worst = 0.0
+    cached = 20
+    for canvas_no in range(2):
+        canvas = rng.integers(0, TEXT["vocab_size"], (1, CANVAS))
+        sc = rng.normal(size=(1, CANVAS, TEXT["vocab_size"])).astype(np.float32) * 3
+        for with_sc in (False, True):
+            with torch.no_grad():
+                want = model(decoder_input_ids=torch.tensor(canvas), cache=hf_cache,
+                             self_conditioning_logits=torch.tensor(sc) if with_sc else None,
+                             decoder_position_ids=torch.arange(cached, cached + CANVAS)[None]
+                             ).logits.numpy()
+            got = np.asarray(dg.decode(params, cfg, jnp.asarray(canvas, jnp.int32),
+                                       jnp.asarray([cached], jnp.int32), cache, jnp.asarray(sc),
+                                       jnp.asarray([with_sc])))
+            assert np.abs(want).max() > 1.0
+            worst = max(worst, float(np.abs(got - want).max()))
+        # commit the canvas: the encoder pass over it at its positions
+        hf_cache = _hf_encode(model, canvas.tolist(), hf_cache)
+        cache = dg.encode(params, cfg, jnp.asarray(canvas, jnp.int32),
+                          jnp.asarray([cached], jnp.int32), cache)
+        cached += CANVAS
+        _check_cache(cfg, cache, hf_cache, cached)
+    assert worst < 1e-4, worst
+
+
+def _check_cache(cfg, cache, hf_cache, length):
+    """Our KV at the positions transformers keeps (a sliding layer: its last window - 1)."""
+    for i, layer in enumerate(hf_cache.layers):
+        kept = layer.keys.shape[2]
+        assert kept == (min(length, cfg.sliding_window - 1)
+                        if cfg.layer_types[i] == "sliding_attention" else length)
+        for ours, theirs in ((cache[i]["k"], layer.keys), (cache[i]["v"], layer.values)):
+            got = np.asarray(ours[0, length - kept:length])  # [kept, K, Dh]
+            np.testing.assert_allclose(got, theirs[0].transpose(0, 1).numpy(), atol=1e-5)
+
+
+def test_generation_settings_and_bad_values_are_named(reference):
+    _, _, _, path = reference
+    d = decoding_from_hf({"max_denoising_steps": 48, "sampler_config": {"entropy_bound": 0.1},
+                          "t_min": 0.4, "t_max": 0.8, "stability_threshold": 1,
+                          "confidence_threshold": 0.005})
+    assert (d.steps, d.entropy_bound, d.t_min, d.t_max, d.stability) == (48, 0.1, 0.4, 0.8, 1)
+    for bad, field in (({"t_min": 0.9}, "t_max"), ({"sampler_config": {"entropy_bound": 0.0}},
+                                                   "entropy_bound"),
+                       ({"max_denoising_steps": 0}, "steps")):
+        with pytest.raises(ConfigError, match=field):
+            decoding_from_hf(bad)
+    hf = json.loads((path / "config.json").read_text())
+    hf["text_config"]["hidden_activation"] = "silu"
+    with pytest.raises(UserError, match="hidden_activation"):
+        config_from_hf(hf, "x")
