@@ -2,19 +2,26 @@
 `save_pretrained` (safetensors), converted; the encoder pass's KV equals transformers' cache and
 the decoder pass's logits equal its logits (given the same cache, canvas and self-conditioning
 logits) within 1e-4, on sliding and global layers, with a context longer than the window and
-after a canvas is committed."""
+after a canvas is committed. Under the deterministic contract, generation equals transformers'
+own `generate` (its sampler classes given the contract's noise, its multinomial draw replaced by
+the argmax) token for token and forward for forward."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
+from unittest import mock
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
+from mbd_jax.config.diffusion_gemma import CanvasDecoding
 from mbd_jax.convert_diffusion_gemma import config_from_hf, decoding_from_hf, params_from_hf
 from mbd_jax.errors import ConfigError, UserError
+from mbd_jax.decoding import canvas_loop
 from mbd_jax.model import diffusion_gemma as dg
 
 TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
@@ -27,10 +34,20 @@ VISION = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=32,
 CANVAS = 8
 
 
+def _convert(model, path):
+    """(our config, our params) of `model` saved to `path` by save_pretrained."""
+    from safetensors import safe_open
+
+    model.save_pretrained(path)
+    with safe_open(str(path / "model.safetensors"), framework="numpy") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    ours = config_from_hf(json.loads((path / "config.json").read_text()), "tiny-dgemma")
+    return ours, params_from_hf(tensors.__getitem__, set(tensors), ours)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """(the transformers model, our config and params converted from its saved checkpoint)."""
-    from safetensors import safe_open
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
     torch.manual_seed(0)
@@ -47,11 +64,7 @@ def reference(tmp_path_factory):
             model.model.decoder.layers[i].layer_scalar.fill_(0.5 + 0.1 * i)
             model.model.encoder.language_model.layers[i].layer_scalar.fill_(1.3 - 0.2 * i)
     path = tmp_path_factory.mktemp("dgemma")
-    model.save_pretrained(path)
-    with safe_open(str(path / "model.safetensors"), framework="numpy") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    ours = config_from_hf(json.loads((path / "config.json").read_text()), "tiny-dgemma")
-    return model, ours, params_from_hf(tensors.__getitem__, set(tensors), ours), path
+    return (model, *_convert(model, path), path)
 
 
 def test_the_config_converts(reference):
@@ -97,7 +110,8 @@ def test_encoder_kv_and_decoder_logits_equal_transformers(reference):
                              decoder_position_ids=torch.arange(cached, cached + CANVAS)[None]
                              ).logits.numpy()
             got = np.asarray(dg.decode(params, cfg, jnp.asarray(canvas, jnp.int32),
-                                       jnp.asarray([cached], jnp.int32), cache, jnp.asarray(sc),
+                                       jnp.asarray([cached], jnp.int32), cache,
+                                       dg.soft_embedding(params, cfg, jnp.asarray(sc)),
                                        jnp.asarray([with_sc])))
             assert np.abs(want).max() > 1.0
             worst = max(worst, float(np.abs(got - want).max()))
@@ -136,3 +150,106 @@ def test_generation_settings_and_bad_values_are_named(reference):
     hf["text_config"]["hidden_activation"] = "silu"
     with pytest.raises(UserError, match="hidden_activation"):
         config_from_hf(hf, "x")
+
+
+# ---------------------------------------------------------------- generation, the contract
+def transformers_generate(model, prompt: list[int], d: CanvasDecoding) -> tuple[list[int], int]:
+    """transformers' DiffusionGemma `generate` under the deterministic contract: its entropy-
+    bound sampler with the contract's canvases and re-draws, torch.multinomial as the argmax.
+    Returns (the generated ids, decoder forwards)."""
+    from transformers.models.diffusion_gemma import generation_diffusion_gemma as gen
+
+    class ContractSampler(gen.EntropyBoundSampler):
+        canvas_index, k = -1, 0
+
+        def draw(self, batch, device):
+            i = torch.arange(self.canvas_length, device=device)
+            ids = (7 * i + 13 * self.k + 31 * self.canvas_index + 3) % self.vocab_size
+            return ids[None].expand(batch, -1).clone()
+
+        def initialize_canvas(self, batch_size, device):
+            self.canvas_index, self.k = self.canvas_index + 1, 0
+            return self.draw(batch_size, device)
+
+        def renoise_canvas(self, accepted_canvas, cur_step):
+            self.k += 1
+            fresh = self.draw(accepted_canvas.shape[0], accepted_canvas.device)
+            return torch.where(self.accepted_token_mask, accepted_canvas, fresh)
+
+    forwards = [0]
+    plain = type(model).forward
+
+    def counted(self, *args, **kwargs):
+        forwards[0] += 1
+        return plain(self, *args, **kwargs)
+
+    model._prepare_sampler = lambda gc: ContractSampler(
+        gc.sampler_config, model.config.canvas_length, TEXT["vocab_size"], gc.max_denoising_steps)
+    with mock.patch.object(type(model), "forward", counted), \
+            mock.patch("torch.multinomial", lambda probs, num_samples: probs.argmax(-1, keepdim=True)):
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=d.max_new_tokens, max_denoising_steps=d.steps,
+            sampler_config=gen.EntropyBoundSamplerConfig(d.entropy_bound), t_min=d.t_min,
+            t_max=d.t_max, stability_threshold=d.stability, confidence_threshold=d.confidence,
+            eos_token_id=TEXT["eos_token_id"], pad_token_id=TEXT["pad_token_id"])
+    del model._prepare_sampler
+    return out.sequences[0, len(prompt):].tolist(), forwards[0]
+
+
+PROMPTS = [np.random.default_rng(0).integers(3, TEXT["vocab_size"], n).tolist() for n in (5, 13, 20)]
+CONTRACT = CanvasDecoding(steps=6, entropy_bound=0.5, noise="deterministic", max_new_tokens=24)
+# cool and permissive enough that the tiny random model's canvases can settle before 24 steps
+SETTLING = dataclasses.replace(CONTRACT, steps=24, entropy_bound=50.0, confidence=10.0, t_min=0.1,
+                               t_max=0.2)
+
+
+@pytest.fixture(scope="module")
+def eos_model(reference, tmp_path_factory):
+    """The reference with EOS made likely (its tied embedding row scaled): rows end early."""
+    import copy
+
+    model = copy.deepcopy(reference[0])
+    with torch.no_grad():
+        model.model.decoder.embed_tokens.weight[TEXT["eos_token_id"]].mul_(3.0)
+    return (model, *_convert(model, tmp_path_factory.mktemp("dgemma-eos")))
+
+
+@pytest.mark.parametrize("case", ["three-canvases", "eos", "adaptive-stop", "mixed-settings"])
+def test_generation_equals_transformers_under_the_contract(reference, eos_model, case):
+    """Batched rows (prompts of 5, 13 and 20 tokens, each row its own settings) against
+    transformers one prompt at a time: the same tokens (pads after an EOS included) and the
+    same decoder forwards; adaptive stopping both hit and not hit."""
+    model, cfg, params = (eos_model if case == "eos" else reference)[:3]
+    decodings = {
+        "three-canvases": [CONTRACT] * 3,
+        "eos": [dataclasses.replace(CONTRACT, max_new_tokens=40)] * 3,
+        "adaptive-stop": [SETTLING] * 3,
+        "mixed-settings": [dataclasses.replace(SETTLING, max_new_tokens=8),
+                           CONTRACT,
+                           dataclasses.replace(CONTRACT, t_min=0.2, t_max=1.5, stability=2)],
+    }[case]
+    got = canvas_loop.generate(params, cfg, PROMPTS, decodings)
+    for prompt, d, r in zip(PROMPTS, decodings, got):
+        want, forwards = transformers_generate(model, prompt, d)
+        assert r.token_ids == want and r.decoder_passes == forwards, (case, prompt)
+    steps = sum(math.ceil(d.max_new_tokens / CANVAS) * d.steps for d in decodings)
+    if case == "eos":
+        assert all(r.finish_reason == "stop" and TEXT["pad_token_id"] in r.token_ids for r in got)
+    if case == "adaptive-stop":
+        assert sum(r.decoder_passes for r in got) < steps  # some canvas settled early
+    if case == "three-canvases":
+        assert any(r.canvases == 3 and r.finish_reason == "length" for r in got)
+
+
+def test_seeded_sampling_and_no_compiles_after_the_first_call(reference):
+    from mbd_jax import compile_stats
+
+    _, cfg, params, _ = reference
+    sampled = dataclasses.replace(CONTRACT, noise="uniform", seed=7)
+    first = canvas_loop.generate(params, cfg, PROMPTS, [sampled] * 3)
+    before = compile_stats.compiles()
+    again = canvas_loop.generate(params, cfg, PROMPTS, [sampled] * 3)
+    other = canvas_loop.generate(params, cfg, PROMPTS, [dataclasses.replace(sampled, seed=8)] * 3)
+    assert compile_stats.compiles() == before
+    assert [r.token_ids for r in again] == [r.token_ids for r in first]
+    assert [r.token_ids for r in other] != [r.token_ids for r in first]

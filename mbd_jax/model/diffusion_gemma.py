@@ -1,7 +1,7 @@
 """DiffusionGemma's two passes as pure functions over one parameter tree.
 
     cache = encode(params, cfg, tokens [B, T], start [B], cache)        # causal: writes KV
-    logits = decode(params, cfg, canvas [B, C], cached_len [B], cache, sc_logits, sc_on)
+    logits = decode(params, cfg, canvas [B, C], cached_len [B], cache, soft [B, C, D], sc_on)
 
 `encode` is the prompt's prefill and each finished canvas's commit: causal attention (sliding
 layers: the last `sliding_window` positions, the query's own included) over the cache and the
@@ -172,28 +172,34 @@ def encode(params: Params, cfg: DiffusionGemmaConfig, tokens: jax.Array, start: 
     return new_cache
 
 
-def self_conditioning(params: Params, cfg: DiffusionGemmaConfig, x: jax.Array,
-                      sc_logits: jax.Array, sc_on: jax.Array) -> jax.Array:
-    """The decoder's input: x [B, C, D] (scaled embeddings) plus the gated MLP of the soft
-    embedding of the previous step's processed logits sc_logits [B, C, V] (rows with sc_on [B]
-    False: zero, a canvas's first step), normed without scale."""
+def soft_embedding(params: Params, cfg: DiffusionGemmaConfig, processed: jax.Array) -> jax.Array:
+    """[B, C, D]: the embedding table averaged under softmax(processed) [B, C, V] (a step's
+    processed logits), scaled like an embedding: what self-conditioning feeds the next step.
+    Carrying this instead of the logits keeps a row's sampler state at C x D, not C x V."""
     table = params["embed"]
-    probs = jax.nn.softmax(sc_logits.astype(jnp.float32), axis=-1).astype(table.dtype)
-    soft = (probs @ table) * jnp.asarray(math.sqrt(cfg.hidden_size), table.dtype)
+    probs = jax.nn.softmax(processed.astype(jnp.float32), axis=-1).astype(table.dtype)
+    return (probs @ table) * jnp.asarray(math.sqrt(cfg.hidden_size), table.dtype)
+
+
+def self_conditioning(params: Params, cfg: DiffusionGemmaConfig, x: jax.Array, soft: jax.Array,
+                      sc_on: jax.Array) -> jax.Array:
+    """The decoder's input: x [B, C, D] (scaled embeddings) plus the gated MLP of the previous
+    step's soft embedding soft [B, C, D] (rows with sc_on [B] False: zero, a canvas's first
+    step), normed without scale."""
     soft = jnp.where(sc_on[:, None, None], soft, 0)
     w = params["self_conditioning"]
     return _norm(x + _mlp(_norm(soft, w["pre_norm"], cfg), w), None, cfg)
 
 
 def decode(params: Params, cfg: DiffusionGemmaConfig, canvas: jax.Array, cached_len: jax.Array,
-           cache: Cache, sc_logits: jax.Array, sc_on: jax.Array) -> jax.Array:
+           cache: Cache, soft: jax.Array, sc_on: jax.Array) -> jax.Array:
     """One denoising step: logits [B, C, V] float32 of canvas [B, C] at positions
     cached_len[b] + [0, C), reading the cache (positions < cached_len) and writing nothing."""
     b, c = canvas.shape
     positions = cached_len[:, None] + jnp.arange(c, dtype=jnp.int32)
     s = cache[0]["k"].shape[1]
     k_pos = jnp.arange(s, dtype=jnp.int32)
-    r = self_conditioning(params, cfg, embed(params, cfg, canvas), sc_logits, sc_on)
+    r = self_conditioning(params, cfg, embed(params, cfg, canvas), soft, sc_on)
     for i, w in enumerate(params["layers"]):
         first = cached_len - (cfg.sliding_window - 1) if cfg.layer_types[i] == "sliding_attention" \
             else jnp.zeros_like(cached_len)

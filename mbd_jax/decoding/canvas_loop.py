@@ -1,0 +1,182 @@
+"""DiffusionGemma's generation: a jitted while-loop of denoising steps per canvas, and the
+canvas-by-canvas driver around it (prefill, denoise, commit the argmax canvas through the
+encoder pass, stop at an EOS).
+
+    results = generate(params, cfg, prompts, decodings)
+
+Rows run side by side, each with its own settings, steps and stop (a row whose canvas has
+settled waits, unchanged, for the others). This is the family's reference generator over a
+dense cache; the engine's paged, continuously batched path is held to its tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mbd_jax.config.diffusion_gemma import CanvasDecoding, DiffusionGemmaConfig
+from mbd_jax.decoding import canvas as rules
+from mbd_jax.model import diffusion_gemma as dg
+
+
+@flax.struct.dataclass
+class CanvasParams:
+    """Per-row settings, [B] each (CanvasDecoding)."""
+
+    steps: jax.Array
+    entropy_bound: jax.Array
+    t_min: jax.Array
+    t_max: jax.Array
+    stability: jax.Array
+    confidence: jax.Array
+    deterministic: jax.Array  # bool: noise "deterministic"
+    seed: jax.Array
+
+    @classmethod
+    def of(cls, decodings: Sequence[CanvasDecoding]) -> CanvasParams:
+        col = lambda f, dt: jnp.asarray(np.array([f(d) for d in decodings], dt))  # noqa: E731
+        return cls(steps=col(lambda d: d.steps, np.int32),
+                   entropy_bound=col(lambda d: d.entropy_bound, np.float32),
+                   t_min=col(lambda d: d.t_min, np.float32), t_max=col(lambda d: d.t_max, np.float32),
+                   stability=col(lambda d: d.stability, np.int32),
+                   confidence=col(lambda d: d.confidence, np.float32),
+                   deterministic=col(lambda d: d.noise == "deterministic", bool),
+                   seed=col(lambda d: d.seed, np.int32))
+
+
+@flax.struct.dataclass
+class CanvasState:
+    canvas: jax.Array  # [B, C] what the next decoder pass reads
+    argmax: jax.Array  # [B, C] the latest argmax canvas (what commits)
+    soft: jax.Array  # [B, C, D] the last step's soft embedding (self-conditioning)
+    history: jax.Array  # [B, H, C] the last H argmax canvases, newest first (-1: none)
+    steps_done: jax.Array  # [B] decoder passes on this canvas
+    done: jax.Array  # [B] bool: the canvas has settled (or ran its steps)
+    index: jax.Array  # [B] the canvas's index in the row's generation
+
+
+def _keys(p: CanvasParams, index: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per row: (the sampling key, the noise key) of draw k of canvas `index`."""
+    base = jax.vmap(lambda s, c, n: jax.random.fold_in(
+        jax.random.fold_in(jax.random.PRNGKey(s), c), n))(p.seed, index, k)
+    split = jax.vmap(lambda key: jax.random.split(key))(base)
+    return split[:, 0], split[:, 1]
+
+
+def start_canvas(cfg: DiffusionGemmaConfig, p: CanvasParams, index: jax.Array, done: jax.Array,
+                 history: int) -> CanvasState:
+    """A fresh canvas of noise (draw k = 0) for each row; `done` rows take no steps."""
+    b, c = index.shape[0], cfg.canvas_length
+    _, noise_key = _keys(p, index, jnp.zeros_like(index))
+    canvas = rules.noise(p.deterministic, noise_key, index, jnp.zeros_like(index), c,
+                         cfg.vocab_size)
+    return CanvasState(canvas=canvas, argmax=canvas,
+                       soft=jnp.zeros((b, c, cfg.hidden_size), jnp.dtype(cfg.dtype)),
+                       history=jnp.full((b, history, c), -1, jnp.int32),
+                       steps_done=jnp.zeros(b, jnp.int32), done=done, index=index)
+
+
+def denoise_step(params, cfg: DiffusionGemmaConfig, p: CanvasParams, st: CanvasState,
+                 cache: dg.Cache, cached_len: jax.Array) -> CanvasState:
+    """One decoder pass over every row's canvas and the sampler's update of the live rows."""
+    c, v = cfg.canvas_length, cfg.vocab_size
+    logits = dg.decode(params, cfg, st.canvas, cached_len, cache, st.soft, st.steps_done > 0)
+    t = rules.temperature(p.steps - st.steps_done, p.steps, p.t_min, p.t_max)
+    processed = logits / t[:, None, None]  # [B, C, V]
+    k = st.steps_done + 1  # this step's draws: the n-th re-draw
+    sample_key, noise_key = _keys(p, st.index, k)
+    sample = rules.draw(processed, p.deterministic, sample_key)
+    argmax = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    ent = rules.entropy(processed)
+    accepted = rules.accept(ent, p.entropy_bound)
+    fresh = rules.noise(p.deterministic, noise_key, st.index, k, c, v)
+    canvas = jnp.where(accepted, sample, fresh)  # nothing is sticky: the rest re-drawn
+    h = st.history.shape[1]
+    held = (st.history == argmax[:, None]).all(-1) | (jnp.arange(h)[None] >= p.stability[:, None])
+    settled = jnp.all(held, axis=1) & (jnp.mean(ent, axis=-1) < p.confidence)
+    live = ~st.done
+    pick = lambda new, old: jnp.where(  # noqa: E731
+        live.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+    steps_done = st.steps_done + live
+    return st.replace(
+        canvas=pick(canvas, st.canvas), argmax=pick(argmax, st.argmax),
+        soft=pick(dg.soft_embedding(params, cfg, processed), st.soft),
+        history=pick(jnp.concatenate([argmax[:, None], st.history[:, :-1]], axis=1), st.history),
+        steps_done=steps_done, done=st.done | (live & (settled | (steps_done >= p.steps))))
+
+
+def denoise(params, cfg: DiffusionGemmaConfig, p: CanvasParams, st: CanvasState,
+            cache: dg.Cache, cached_len: jax.Array) -> CanvasState:
+    """Steps until every row's canvas has settled or run its steps."""
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done),
+                              lambda s: denoise_step(params, cfg, p, s, cache, cached_len), st)
+
+
+@dataclasses.dataclass
+class CanvasResult:
+    token_ids: list[int]  # whole canvases; after the first EOS every position is pad
+    finish_reason: str  # "stop" (an EOS) or "length"
+    decoder_passes: int
+    canvases: int
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return len(self.token_ids) / max(self.decoder_passes, 1)
+
+
+def generate(params, cfg: DiffusionGemmaConfig, prompts: Sequence[Sequence[int]],
+             decodings: Sequence[CanvasDecoding]) -> list[CanvasResult]:
+    """Each prompt's canvases, side by side: prefill, then per canvas denoise, take the argmax
+    canvas and, unless the row ends (an EOS in it, or its canvases run out), commit it."""
+    b, c = len(prompts), cfg.canvas_length
+    p = CanvasParams.of(decodings)
+    budget = np.array([math.ceil(d.max_new_tokens / c) for d in decodings])
+    lengths = np.array([len(x) for x in prompts], np.int32)
+    capacity = int(lengths.max() + budget.max() * c)
+    tokens = np.full((b, int(lengths.max())), cfg.pad_token_id, np.int32)
+    for i, x in enumerate(prompts):
+        tokens[i, : len(x)] = x
+    cache = _encode(params, cfg, jnp.asarray(tokens), jnp.zeros(b, jnp.int32),
+                    dg.allocate_cache(cfg, b, capacity))
+    history = max(1, max(d.stability for d in decodings))
+    out = [[] for _ in range(b)]
+    passes = np.zeros(b, np.int64)
+    done = np.zeros(b, bool)
+    cached = jnp.asarray(lengths)
+    for index in range(int(budget.max())):
+        done |= index >= budget
+        st = _denoise(params, cfg, p, start_canvas(cfg, p, jnp.full(b, index, jnp.int32),
+                                                   jnp.asarray(done), history), cache, cached)
+        argmax, steps = np.asarray(st.argmax), np.asarray(st.steps_done)
+        for i in np.flatnonzero(~done):
+            out[i] += _pad_after_eos(cfg, argmax[i].tolist())
+            passes[i] += steps[i]
+        done |= np.isin(argmax, cfg.eos_token_ids).any(axis=1)
+        if done.all():
+            break
+        cache = _encode(params, cfg, st.argmax, cached, cache)  # the commit
+        cached = cached + c
+    return [CanvasResult(out[i], "stop" if any(t in cfg.eos_token_ids for t in out[i]) else
+                         "length", int(passes[i]), len(out[i]) // c) for i in range(b)]
+
+
+def _pad_after_eos(cfg: DiffusionGemmaConfig, canvas: list[int]) -> list[int]:
+    eos = next((j for j, t in enumerate(canvas) if t in cfg.eos_token_ids), None)
+    return canvas if eos is None else canvas[: eos + 1] + [cfg.pad_token_id] * (len(canvas) - eos - 1)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _encode(params, cfg, tokens, start, cache):
+    return dg.encode(params, cfg, tokens, start, cache)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _denoise(params, cfg, p, st, cache, cached_len):
+    return denoise(params, cfg, p, st, cache, cached_len)
