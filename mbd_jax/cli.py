@@ -7,6 +7,7 @@ they never print a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -179,10 +180,13 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from mbd_jax import canvas_model
     from mbd_jax.checkpoint import load_model
     from mbd_jax.engine import Engine
     from mbd_jax.profiling import maybe_trace
 
+    if canvas_model.is_canvas_model(args.model):
+        return _generate_canvases(args)
     decode = _decode_config(args)
     prompts_text = list(args.prompt or [])
     prompts_ids = [_parse_ids(t) for t in (args.prompt_ids or [])]
@@ -295,6 +299,50 @@ def serve_config(args: argparse.Namespace):
         "server.compile_cache": args.compile_cache,
         "server.ssl_certfile": args.ssl_certfile, "server.ssl_keyfile": args.ssl_keyfile,
         **{f"runtime.{k}": v for k, v in _runtime(args).items()}})
+
+
+def _generate_canvases(args: argparse.Namespace) -> int:
+    """`mbd-jax generate` on a uniform-noise (DiffusionGemma) model: canvas by canvas
+    (decoding/canvas_loop.py), its settings the model's generation.yaml under the flags."""
+    from mbd_jax import canvas_model
+    from mbd_jax.config import from_dict
+    from mbd_jax.config.diffusion_gemma import CanvasDecoding
+    from mbd_jax.decoding import canvas_loop
+
+    if args.chat or args.thinking:
+        raise UserError("--chat: this family has no chat template in mbd-jax yet; give the "
+                        "rendered prompt as --prompt")
+    model = canvas_model.load(args.model)
+    flags = {"noise": args.noise, "steps": args.denoising_steps,
+             "entropy_bound": args.entropy_bound, "t_min": args.t_min, "t_max": args.t_max,
+             "seed": args.seed, "max_new_tokens": args.max_new_tokens}
+    decoding = from_dict(CanvasDecoding, {**dataclasses.asdict(model.decoding),
+                                          **{k: v for k, v in flags.items() if v is not None}},
+                         where="decoding")
+    decoding.validate("decoding")
+    if args.prompt and model.tokenizer is None:
+        raise UserError(f"--model {args.model} has no tokenizer; use --prompt-ids")
+    prompts = [model.tokenizer.encode(t) for t in args.prompt or []]
+    prompts += [_parse_ids(t) for t in args.prompt_ids or []]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise UserError("give at least one non-empty --prompt TEXT or --prompt-ids 1,2,3")
+    t0 = time.perf_counter()
+    results = canvas_loop.generate(model.params, model.cfg, prompts, [decoding] * len(prompts))
+    seconds = time.perf_counter() - t0  # compiling included
+    for r in results:
+        ids = r.token_ids[: next((j + 1 for j, t in enumerate(r.token_ids)
+                                  if t in model.cfg.eos_token_ids), len(r.token_ids))]
+        text = model.tokenizer.decode([t for t in ids if t not in model.cfg.eos_token_ids]) \
+            if model.tokenizer is not None else None
+        if args.json:
+            print(json.dumps({"text": text, "token_ids": r.token_ids, "finish_reason":
+                              r.finish_reason, "decoder_passes": r.decoder_passes,
+                              "canvases": r.canvases, "seconds": round(seconds, 3)}))
+        else:
+            print(text if text is not None else r.token_ids)
+            print(f"[{r.finish_reason}] canvases={r.canvases} decoder_passes={r.decoder_passes} "
+                  f"tpf={r.tokens_per_forward:.2f}", file=sys.stderr)
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -449,6 +497,16 @@ def _generate_command(sub) -> None:
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.add_argument("--profile", metavar="DIR", help="write a JAX profiler trace to DIR")
     _add_decode_flags(g)
+    c = g.add_argument_group("canvas decoding (uniform-noise models: DiffusionGemma; "
+                             "--max-new-tokens and --seed apply too)")
+    c.add_argument("--noise", choices=("uniform", "deterministic"),
+                   help="uniform: seeded random canvases; deterministic: the cross-framework "
+                        "contract (decoding/canvas.py)")
+    c.add_argument("--denoising-steps", type=int, help="decoder passes per canvas at most")
+    c.add_argument("--entropy-bound", type=float, help="accept low-entropy positions up to this "
+                                                       "summed entropy")
+    c.add_argument("--t-min", type=float, help="temperature at the last step")
+    c.add_argument("--t-max", type=float, help="temperature at the first step")
     _add_runtime_flags(g)
     _add_compile_cache_flag(g)
     multihost.add_launch_flags(g)

@@ -30,7 +30,7 @@ from mbd_jax.config import (GENERATION_FILE, BlockMode, DecodeConfig, ModelConfi
 from mbd_jax.errors import ConfigError, UserError
 
 CONVERTER_VERSION = "1"
-FAMILIES = ("llada2_moe", "sdar", "sdar_moe", "qwen3_next")
+FAMILIES = ("llada2_moe", "sdar", "sdar_moe", "qwen3_next", "diffusion_gemma")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "chat_template.jinja", "generation_config.json")
 MASK_TOKENS = ("<|mask|>", "<|MASK|>", "[MASK]", "<mask>")
@@ -46,6 +46,8 @@ def detect_family(hf: dict) -> str:
         return "qwen3_next"
     if model_type == "llada2_moe" or "LLaDA2" in arch:
         return "llada2_moe"
+    if model_type == "diffusion_gemma" or "DiffusionGemma" in arch:
+        return "diffusion_gemma"  # uniform-noise canvases: convert_diffusion_gemma.py
     if model_type in ("qwen3_moe", "sdar_moe") or "Qwen3Moe" in arch or "SDARMoe" in arch:
         return "sdar_moe"
     if model_type in ("qwen3", "sdar") or "Qwen3" in arch or "SDAR" in arch:
@@ -523,6 +525,12 @@ def convert(src: str | pathlib.Path, dst: str | pathlib.Path, *, family: str = "
     from mbd_jax.model.transformer import param_shapes
 
     src, dst = pathlib.Path(src), pathlib.Path(dst)
+    if _is_diffusion_gemma(src, family):
+        from mbd_jax import convert_diffusion_gemma
+
+        if quantization != "none":
+            raise UserError(f"--quantize {quantization}: not yet for family diffusion_gemma")
+        return convert_diffusion_gemma.convert(src, dst, dtype=dtype, progress=progress)
     family, cfg = _source_config(src, family, dtype, mask_token_id, block_size, block_mode)
     source = TensorSource(src)
     np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
@@ -540,6 +548,13 @@ def convert(src: str | pathlib.Path, dst: str | pathlib.Path, *, family: str = "
         "converter_version": CONVERTER_VERSION, "source": str(src.resolve()), "family": family,
         "dtype": dtype, "quantization": quantization, "parameters": n_params,
         "seconds_reading": round(read_s, 3), "source_bytes": source.nbytes()})
+
+
+def _is_diffusion_gemma(src: pathlib.Path, family: str) -> bool:
+    if family != "auto":
+        return family == "diffusion_gemma"
+    return (src / "config.json").is_file() and detect_family(
+        json.loads((src / "config.json").read_text())) == "diffusion_gemma"
 
 
 def _source_config(src: pathlib.Path, family: str, dtype: str, mask_token_id: int | None,

@@ -10,6 +10,7 @@ is not converted: mbd-jax serves the text model. `lm_head` is the tied embedding
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 
@@ -154,3 +155,58 @@ def params_from_hf(get: Callable[[str], np.ndarray], names: set[str],
         raise UserError(f"checkpoint tensor '{sorted(rest)[0]}' (and {len(rest) - 1} more) is "
                         "not a DiffusionGemma text-model tensor")
     return params
+
+
+def convert(src, dst, *, dtype: str = "bfloat16", progress: bool = True) -> dict:
+    """A transformers DiffusionGemma checkpoint directory -> an mbd-jax model directory
+    (canvas_model.py); returns its manifest. `progress` is accepted for the CLI's signature (the
+    tensors are read one at a time, like convert.py's)."""
+    import pathlib
+    import shutil
+    import time
+
+    from mbd_jax import canvas_model
+    from mbd_jax.checkpoint import write_manifest
+    from mbd_jax.convert import CONVERTER_VERSION, TOKENIZER_FILES, TensorSource
+
+    src, dst = pathlib.Path(src), pathlib.Path(dst)
+    hf = json.loads((src / "config.json").read_text())
+    cfg = config_from_hf(hf, src.name, dtype)
+    gen_path = src / "generation_config.json"
+    decoding = decoding_from_hf(json.loads(gen_path.read_text()) if gen_path.is_file() else {})
+    if gen_path.is_file():  # EOS / pad as the generation config states them
+        gen = json.loads(gen_path.read_text())
+        eos = gen.get("eos_token_id")
+        if eos is not None:
+            cfg = dataclasses.replace(cfg, eos_token_ids=tuple(eos if isinstance(eos, list) else [eos]))
+        if isinstance(gen.get("pad_token_id"), int):
+            cfg = dataclasses.replace(cfg, pad_token_id=gen["pad_token_id"])
+    cfg.validate("config.json")
+    source = TensorSource(src)
+    t0 = time.perf_counter()
+    params = params_from_hf(source.get, set(source.names), cfg)
+    if dtype == "bfloat16":
+        import jax
+        import jax.numpy as jnp
+
+        params = jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16), params)
+    read_s = time.perf_counter() - t0
+    dst.mkdir(parents=True, exist_ok=True)
+    tokenizer = None
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+            tokenizer = "tokenizer.json" if name == "tokenizer.json" else tokenizer
+    canvas_model.save(dst, cfg, params, decoding, tokenizer)
+    n_params = int(sum(np.asarray(a).size for a in _leaves(params)))
+    return write_manifest(dst, {
+        "converter_version": CONVERTER_VERSION, "source": str(src.resolve()),
+        "family": canvas_model.FAMILY, "dtype": dtype, "quantization": "none",
+        "parameters": n_params, "seconds_reading": round(read_s, 3),
+        "source_bytes": source.nbytes()})
+
+
+def _leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)

@@ -253,3 +253,32 @@ def test_seeded_sampling_and_no_compiles_after_the_first_call(reference):
     assert compile_stats.compiles() == before
     assert [r.token_ids for r in again] == [r.token_ids for r in first]
     assert [r.token_ids for r in other] != [r.token_ids for r in first]
+
+
+def test_the_cli_converts_a_checkpoint_and_generates_like_transformers(reference, tmp_path):
+    """`mbd-jax convert` on the save_pretrained directory writes a model directory (manifest,
+    generation.yaml); `mbd-jax generate --noise deterministic` on it answers what transformers
+    does; serve refuses the family by name."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    model, _, _, path = reference
+    out = tmp_path / "dgemma"
+    run = lambda *a: subprocess.run([sys.executable, "-m", "mbd_jax", *a], capture_output=True,  # noqa: E731
+                                    text=True, cwd=ROOT, timeout=600)
+    r = run("convert", "--src", str(path), "--dst", str(out), "--dtype", "float32")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout)["family"] == "diffusion_gemma"
+    assert (out / "manifest.json").is_file() and (out / "generation.yaml").is_file()
+    prompt = PROMPTS[1]
+    r = run("generate", "--model", str(out), "--prompt-ids", ",".join(map(str, prompt)),
+            "--noise", "deterministic", "--denoising-steps", "6", "--entropy-bound", "0.5",
+            "--max-new-tokens", "24", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    want, forwards = transformers_generate(model, prompt, CONTRACT)
+    assert (got["token_ids"], got["decoder_passes"]) == (want, forwards)
+    r = run("serve", "--model", str(out), "--port", "0")
+    assert r.returncode != 0 and "diffusion_gemma" in r.stderr and "Traceback" not in r.stderr

@@ -330,6 +330,17 @@ def load_model_yaml(path: pathlib.Path, _seen: tuple[pathlib.Path, ...] = ()) ->
     return _merged(parent, data)
 
 
+def refuse_other_family(path: pathlib.Path, data: Any) -> None:
+    """A model file of another family (canvas_model.py's `family: diffusion_gemma`) is not a
+    ModelConfig: refused by name, with what does take it."""
+    if isinstance(data, dict) and data.get("family") == "diffusion_gemma":
+        raise ConfigError(f"{path}: a diffusion_gemma (uniform-noise canvas) model: `mbd-jax "
+                          "generate` decodes it; serve, eval, bench and train do not take this "
+                          "family yet")
+
+
 def load_model_config(path: str | pathlib.Path) -> ModelConfig:
     path = pathlib.Path(path)
-    return from_dict(ModelConfig, load_model_yaml(path), where=str(path))
+    data = load_model_yaml(path)
+    refuse_other_family(path, data)
+    return from_dict(ModelConfig, data, where=str(path))

@@ -1,0 +1,144 @@
+"""A uniform-noise (DiffusionGemma) model directory: what `mbd-jax convert` writes for the family
+and `mbd-jax generate` reads.
+
+    config.yaml     family: diffusion_gemma, then DiffusionGemmaConfig's fields
+    params/         orbax checkpoint of the parameter tree (model/diffusion_gemma.py)
+    generation.yaml `canvas`: CanvasDecoding defaults (from the source's generation_config.json)
+    tokenizer.json  ... copied from the source
+    manifest.json   how it was made and the sha256 of every file but generation.yaml
+
+A preset YAML with the same fields and `init: random` (configs/models/tiny-dgemma.yaml) draws
+random weights from its seed instead of params/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import zlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import yaml
+
+from mbd_jax.config import GENERATION_FILE, config_dict, from_dict, load_yaml, resolve_model_path
+from mbd_jax.config.diffusion_gemma import CanvasDecoding, DiffusionGemmaConfig
+from mbd_jax.errors import ConfigError
+from mbd_jax.tokenizer import Tokenizer, load_tokenizer
+
+FAMILY = "diffusion_gemma"
+FILE_KEYS = ("family", "init", "seed", "tokenizer")  # config.yaml keys beside the model's fields
+
+
+@dataclasses.dataclass
+class CanvasModel:
+    cfg: DiffusionGemmaConfig
+    params: Any
+    tokenizer: Tokenizer | None
+    decoding: CanvasDecoding  # the model's defaults
+    path: pathlib.Path  # its config.yaml
+
+
+def is_canvas_model(model: str) -> bool:
+    """Whether `model` (a name, YAML or directory) names a model of this family."""
+    try:
+        data = load_yaml(resolve_model_path(model))
+    except ConfigError:
+        return False
+    return isinstance(data, dict) and data.get("family") == FAMILY
+
+
+def save(dst: pathlib.Path, cfg: DiffusionGemmaConfig, params: Any, decoding: CanvasDecoding,
+         tokenizer: str | None) -> None:
+    """config.yaml, params/ and generation.yaml into dst."""
+    import orbax.checkpoint as ocp
+
+    dst = dst.absolute()
+    dst.mkdir(parents=True, exist_ok=True)
+    data = {"family": FAMILY, "init": "checkpoint", "tokenizer": tokenizer, **config_dict(cfg)}
+    (dst / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    (dst / GENERATION_FILE).write_text(
+        "# Denoising defaults from the source's generation_config.json (mbd-jax convert);\n"
+        "# settings, outside manifest.json's checksums: tune them here.\n"
+        + yaml.safe_dump({"canvas": config_dict(decoding)}, sort_keys=False))
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(dst / "params", jax.tree.map(jnp.asarray, params), force=True)
+    ckpt.wait_until_finished()
+
+
+def param_shapes(cfg: DiffusionGemmaConfig) -> dict:
+    """The parameter tree's shapes and dtypes (jax.ShapeDtypeStruct leaves)."""
+    dt = jnp.dtype(cfg.dtype)
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, dt)  # noqa: E731
+    d, i, e, f = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.moe_intermediate_size
+    layers = []
+    for layer in range(cfg.num_layers):
+        kh, dh = cfg.head(layer)
+        attn = {"q": s(d, cfg.num_heads * dh), "k": s(d, kh * dh), "o": s(cfg.num_heads * dh, d),
+                "q_norm": s(dh), "k_norm": s(dh)}
+        if cfg.layer_types[layer] == "sliding_attention":
+            attn["v"] = s(d, kh * dh)
+        layers.append({
+            **{n: s(d) for n in ("input_norm", "post_attn_norm", "pre_ffn_norm", "post_ffn_norm",
+                                 "post_ffn_norm_1", "post_ffn_norm_2", "pre_ffn_norm_2")},
+            "attn": attn, "mlp": {"gate": s(d, i), "up": s(d, i), "down": s(i, d)},
+            "router": {"proj": s(d, e), "scale": s(d), "expert_scale": s(e)},
+            "experts": {"gate": s(e, d, f), "up": s(e, d, f), "down": s(e, f, d)},
+            "scalar": s(2)})
+    return {"embed": s(cfg.vocab_size, d), "norm": s(d),
+            "self_conditioning": {"pre_norm": s(d), "gate": s(d, i), "up": s(d, i),
+                                  "down": s(i, d)},
+            "layers": layers}
+
+
+UNIT_LEAVES = ("norm", "scale", "scalar")  # leaf names ending so start at one in a random init
+
+
+def init_params(cfg: DiffusionGemmaConfig, seed: int) -> dict:
+    """Random weights of cfg's shapes for presets: normal with std 0.02, norms and scales one."""
+    key = jax.random.PRNGKey(seed)
+
+    def draw(path, shape):
+        name = str(getattr(path[-1], "key", path[-1]))
+        if name.endswith(UNIT_LEAVES):
+            return jnp.ones(shape.shape, shape.dtype)
+        leaf_key = jax.random.fold_in(key, zlib.crc32(jax.tree_util.keystr(path).encode()) & 0x7FFFFFFF)
+        return 0.02 * jax.random.normal(leaf_key, shape.shape, shape.dtype)
+
+    return jax.tree_util.tree_map_with_path(draw, param_shapes(cfg))
+
+
+def load(model: str, with_weights: bool = True) -> CanvasModel:
+    """A model of this family by preset name, YAML or directory (its manifest checked);
+    `with_weights=False`: its config, defaults and tokenizer only (params None)."""
+    import orbax.checkpoint as ocp
+
+    from mbd_jax.checkpoint import verify_manifest
+
+    path = resolve_model_path(model)
+    data = dict(load_yaml(path))
+    if data.get("family") != FAMILY:
+        raise ConfigError(f"model {model}: not a {FAMILY} model")
+    extra = {k: data.pop(k, None) for k in FILE_KEYS}
+    cfg = from_dict(DiffusionGemmaConfig, data, where=f"model {model}")
+    cfg.validate(f"model {model}")
+    if not with_weights:
+        params = None
+    elif extra["init"] == "random":
+        params = init_params(cfg, extra["seed"] or 0)
+    elif extra["init"] != "checkpoint":
+        raise ConfigError(f"model {model}: a shape only (init: {extra['init']}); convert a "
+                          "checkpoint first")
+    else:
+        if (path.parent / "manifest.json").is_file():
+            verify_manifest(path.parent)
+        target = param_shapes(cfg)
+        params = ocp.StandardCheckpointer().restore((path.parent / "params").absolute(), target)
+    decoding = CanvasDecoding()
+    if (path.parent / GENERATION_FILE).is_file():
+        section = (load_yaml(path.parent / GENERATION_FILE) or {}).get("canvas") or {}
+        decoding = from_dict(CanvasDecoding, section, where=f"{path.parent / GENERATION_FILE}")
+        decoding.validate(f"{path.parent / GENERATION_FILE}: canvas")
+    tokenizer = load_tokenizer(path.parent / extra["tokenizer"]) if extra["tokenizer"] else None
+    return CanvasModel(cfg, params, tokenizer, decoding, path)
