@@ -282,3 +282,19 @@ def test_the_cli_converts_a_checkpoint_and_generates_like_transformers(reference
     assert (got["token_ids"], got["decoder_passes"]) == (want, forwards)
     r = run("serve", "--model", str(out), "--port", "0")
     assert r.returncode != 0 and "diffusion_gemma" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("case", ["three-canvases", "adaptive-stop"])
+def test_committing_with_the_next_canvas_first_step_is_exact(reference, case):
+    """buffer_size 2: each canvas's commit shares one forward with the next canvas's first
+    denoising step. The same tokens and decoder passes as the sequential schedule under the
+    contract, one forward fewer per committed canvas."""
+    _, cfg, params, _ = reference
+    d = CONTRACT if case == "three-canvases" else SETTLING
+    one = canvas_loop.generate(params, cfg, PROMPTS, [d] * 3)
+    two = canvas_loop.generate(params, cfg, PROMPTS, [dataclasses.replace(d, buffer_size=2)] * 3)
+    for a, b in zip(one, two):
+        assert (b.token_ids, b.decoder_passes) == (a.token_ids, a.decoder_passes)
+        assert a.forwards == 1 + a.decoder_passes + (a.canvases - 1)  # prefill, commits
+        assert b.forwards == a.forwards - (a.canvases - 1)
+    assert sum(a.canvases for a in one) > 3  # some commits were there to fold

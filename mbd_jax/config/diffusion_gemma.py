@@ -92,12 +92,16 @@ class CanvasDecoding:
     noise: NoiseKind = "uniform"  # "deterministic": the cross-framework contract (canvas.py)
     seed: int = 0
     max_new_tokens: int = 256  # whole canvases: ceil(max_new_tokens / canvas_length) of them
+    # 1: each canvas commits in an encoder pass of its own; 2: the commit shares one forward
+    # with the next canvas's first denoising step (exact: decoding/canvas_loop.py)
+    buffer_size: int = 1
 
     def validate(self, where: str = "decoding") -> None:
         _check_range(self, where, "steps", 1, 1 << 16)
         _check_range(self, where, "stability", 0, 1 << 16)
         _check_range(self, where, "max_new_tokens", 1, 1 << 30)
         _check_range(self, where, "seed", 0, 2**31 - 1)
+        _check_range(self, where, "buffer_size", 1, 2)
         _check(self.entropy_bound > 0, where,
                f"field 'entropy_bound' must be > 0, got {self.entropy_bound}")
         _check(0 < self.t_min, where, f"field 't_min' must be > 0, got {self.t_min}")

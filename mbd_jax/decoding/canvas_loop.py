@@ -84,10 +84,15 @@ def start_canvas(cfg: DiffusionGemmaConfig, p: CanvasParams, index: jax.Array, d
 
 
 def denoise_step(params, cfg: DiffusionGemmaConfig, p: CanvasParams, st: CanvasState,
-                 cache: dg.Cache, cached_len: jax.Array) -> CanvasState:
-    """One decoder pass over every row's canvas and the sampler's update of the live rows."""
+                 cache: dg.Cache, cached_len: jax.Array, commit: jax.Array | None = None
+                 ) -> tuple[CanvasState, dg.Cache]:
+    """One decoder pass over every row's canvas and the sampler's update of the live rows.
+    `commit` [B, C]: the previous canvas, committed by this same forward (its encoder pass at
+    cached_len - C) before the canvas reads it. Returns (the state, the cache)."""
     c, v = cfg.canvas_length, cfg.vocab_size
-    logits = dg.decode(params, cfg, st.canvas, cached_len, cache, st.soft, st.steps_done > 0)
+    start = cached_len if commit is None else cached_len - c
+    cache, logits = dg.forward(params, cfg, commit, start, cache, st.canvas, st.soft,
+                               st.steps_done > 0)
     t = rules.temperature(p.steps - st.steps_done, p.steps, p.t_min, p.t_max)
     processed = logits / t[:, None, None]  # [B, C, V]
     k = st.steps_done + 1  # this step's draws: the n-th re-draw
@@ -109,14 +114,20 @@ def denoise_step(params, cfg: DiffusionGemmaConfig, p: CanvasParams, st: CanvasS
         canvas=pick(canvas, st.canvas), argmax=pick(argmax, st.argmax),
         soft=pick(dg.soft_embedding(params, cfg, processed), st.soft),
         history=pick(jnp.concatenate([argmax[:, None], st.history[:, :-1]], axis=1), st.history),
-        steps_done=steps_done, done=st.done | (live & (settled | (steps_done >= p.steps))))
+        steps_done=steps_done, done=st.done | (live & (settled | (steps_done >= p.steps)))), cache
 
 
 def denoise(params, cfg: DiffusionGemmaConfig, p: CanvasParams, st: CanvasState,
-            cache: dg.Cache, cached_len: jax.Array) -> CanvasState:
-    """Steps until every row's canvas has settled or run its steps."""
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done),
-                              lambda s: denoise_step(params, cfg, p, s, cache, cached_len), st)
+            cache: dg.Cache, cached_len: jax.Array, commit: jax.Array | None = None
+            ) -> tuple[CanvasState, dg.Cache]:
+    """Steps until every row's canvas has settled or run its steps; with `commit` (the
+    previous canvas) the first step also commits it (MultiBD for canvases: one forward fewer
+    per canvas). Returns (the state, the cache)."""
+    if commit is not None:  # every row takes part in the commit, settled or not
+        st, cache = denoise_step(params, cfg, p, st, cache, cached_len, commit)
+    return jax.lax.while_loop(
+        lambda s: ~jnp.all(s.done),
+        lambda s: denoise_step(params, cfg, p, s, cache, cached_len)[0], st), cache
 
 
 @dataclasses.dataclass
@@ -125,6 +136,7 @@ class CanvasResult:
     finish_reason: str  # "stop" (an EOS) or "length"
     decoder_passes: int
     canvases: int
+    forwards: int  # every forward the row took part in: prefill, decoder passes, commits
 
     @property
     def tokens_per_forward(self) -> float:
@@ -146,25 +158,40 @@ def generate(params, cfg: DiffusionGemmaConfig, prompts: Sequence[Sequence[int]]
     cache = _encode(params, cfg, jnp.asarray(tokens), jnp.zeros(b, jnp.int32),
                     dg.allocate_cache(cfg, b, capacity))
     history = max(1, max(d.stability for d in decodings))
+    fused = _one(decodings, "buffer_size") == 2
     out = [[] for _ in range(b)]
-    passes = np.zeros(b, np.int64)
+    passes, forwards = np.zeros(b, np.int64), np.ones(b, np.int64)  # the prefill
     done = np.zeros(b, bool)
-    cached = jnp.asarray(lengths)
+    cached, pending = jnp.asarray(lengths), None  # fused: the canvas the next forward commits
     for index in range(int(budget.max())):
         done |= index >= budget
-        st = _denoise(params, cfg, p, start_canvas(cfg, p, jnp.full(b, index, jnp.int32),
-                                                   jnp.asarray(done), history), cache, cached)
+        fresh = start_canvas(cfg, p, jnp.full(b, index, jnp.int32), jnp.asarray(done), history)
+        st, cache = _denoise(params, cfg, p, fresh, cache, cached, pending)
         argmax, steps = np.asarray(st.argmax), np.asarray(st.steps_done)
         for i in np.flatnonzero(~done):
             out[i] += _pad_after_eos(cfg, argmax[i].tolist())
             passes[i] += steps[i]
+            forwards[i] += steps[i] + (index > 0 and not fused)  # + its own commit forward
         done |= np.isin(argmax, cfg.eos_token_ids).any(axis=1)
         if done.all():
             break
-        cache = _encode(params, cfg, st.argmax, cached, cache)  # the commit
+        if fused:  # the commit rides on the next canvas's first step
+            pending = st.argmax
+        else:
+            cache = _encode(params, cfg, st.argmax, cached, cache)
         cached = cached + c
     return [CanvasResult(out[i], "stop" if any(t in cfg.eos_token_ids for t in out[i]) else
-                         "length", int(passes[i]), len(out[i]) // c) for i in range(b)]
+                         "length", int(passes[i]), len(out[i]) // c, int(forwards[i]))
+            for i in range(b)]
+
+
+def _one(decodings: Sequence[CanvasDecoding], field: str):
+    """A setting every row of one generate call must share (the schedule is the batch's)."""
+    values = {getattr(d, field) for d in decodings}
+    if len(values) > 1:
+        raise ValueError(f"decoding: field '{field}' differs between the rows of one call "
+                         f"({sorted(values)}); it is the batch's schedule")
+    return values.pop()
 
 
 def _pad_after_eos(cfg: DiffusionGemmaConfig, canvas: list[int]) -> list[int]:
@@ -178,5 +205,5 @@ def _encode(params, cfg, tokens, start, cache):
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _denoise(params, cfg, p, st, cache, cached_len):
-    return denoise(params, cfg, p, st, cache, cached_len)
+def _denoise(params, cfg, p, st, cache, cached_len, commit):
+    return denoise(params, cfg, p, st, cache, cached_len, commit)

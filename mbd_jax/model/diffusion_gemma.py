@@ -128,15 +128,86 @@ def _ffn(w: Params, cfg: DiffusionGemmaConfig, r: jax.Array) -> jax.Array:
 
 
 def _layer(w: Params, cfg: DiffusionGemmaConfig, layer: int, r: jax.Array, positions: jax.Array,
-           keys_of, mode: int) -> tuple[jax.Array, Any]:
-    """One layer. keys_of(k, v) -> (k, v over every key position [B, S, K, Dh], visible
-    [B, T, S], what the layer hands back: its written cache entry or nothing)."""
+           entry: dict[str, jax.Array], start: jax.Array, written: int, visible: jax.Array,
+           encoder: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """One layer over r [B, T + C, D]: its first `written` (T) tokens are encoder tokens whose
+    K/V go into the cache entry at `start`, the rest a canvas whose K/V only the canvas reads.
+    visible: [B, T + C, S + C] over the cache's S positions then the canvas; encoder [T + C]
+    bool picks each token's residual scale. Returns (r, the entry)."""
     q, k, v = _qkv(w["attn"], cfg, layer, _norm(r, w["input_norm"], cfg), positions)
-    keys, values, visible, out = keys_of(k, v)
+    if written:
+        put = jax.vmap(lambda buf, new, s: jax.lax.dynamic_update_slice_in_dim(buf, new, s, 0))
+        entry = {"k": put(entry["k"], k[:, :written].astype(entry["k"].dtype), start),
+                 "v": put(entry["v"], v[:, :written].astype(entry["v"].dtype), start)}
+    keys = jnp.concatenate([entry["k"], k[:, written:].astype(entry["k"].dtype)], axis=1)
+    values = jnp.concatenate([entry["v"], v[:, written:].astype(entry["v"].dtype)], axis=1)
     attn = _attend(q, keys, values, visible) @ w["attn"]["o"]
     r = r + _norm(attn, w["post_attn_norm"], cfg)
     r = r + _ffn(w, cfg, r)
-    return r * w["scalar"][mode].astype(r.dtype), out
+    scale = jnp.where(encoder[:, None], w["scalar"][ENCODER], w["scalar"][DECODER])
+    return r * scale.astype(r.dtype), entry
+
+
+def _visible(cfg: DiffusionGemmaConfig, layer: int, positions: jax.Array, s: int, t: int,
+             c: int) -> jax.Array:
+    """[B, T + C, S + C] which key each token reads: an encoder token (the first T) the cached
+    positions up to its own (a sliding layer: its last sliding_window), never the canvas; a
+    canvas token every cached position before the canvas (a sliding layer: the last
+    sliding_window - 1) and the whole canvas."""
+    b = positions.shape[0]
+    k_pos = jnp.arange(s, dtype=jnp.int32)[None, None]  # [1, 1, S]
+    q_pos = positions[..., None]  # [B, T + C, 1]
+    canvas_start = positions[:, t:t + 1, None] if c else q_pos  # [B, 1, 1]
+    sliding = cfg.layer_types[layer] == "sliding_attention"
+    enc = (k_pos <= q_pos) & ((k_pos > q_pos - cfg.sliding_window) if sliding else True)
+    dec = (k_pos < canvas_start) & (
+        (k_pos >= canvas_start - (cfg.sliding_window - 1)) if sliding else True)
+    is_enc = (jnp.arange(t + c) < t)[None, :, None]
+    cached = jnp.where(is_enc, enc, dec)  # [B, T + C, S]
+    canvas = jnp.broadcast_to(~is_enc, (b, t + c, c))
+    return jnp.concatenate([cached, canvas], axis=2)
+
+
+def forward(params: Params, cfg: DiffusionGemmaConfig, commit: jax.Array | None,
+            start: jax.Array, cache: Cache, canvas: jax.Array | None = None,
+            soft: jax.Array | None = None, sc_on: jax.Array | None = None
+            ) -> tuple[Cache, jax.Array | None]:
+    """Both passes in one forward: the encoder pass over commit [B, T] at positions
+    start[b] + [0, T) (its KV written), then a decoder step over canvas [B, C] right after it
+    (positions start + T + [0, C)), reading the cache and the committed tokens' fresh KV. Either
+    part may be absent (None). Every token's computation is the one its pass alone would do.
+    Returns (the cache, the canvas's logits [B, C, V] float32 or None)."""
+    parts, t, c = [], 0, 0
+    if commit is not None:
+        t = commit.shape[1]
+        parts.append(embed(params, cfg, commit))
+    if canvas is not None:
+        c = canvas.shape[1]
+        parts.append(self_conditioning(params, cfg, embed(params, cfg, canvas), soft, sc_on))
+    r = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+    positions = start[:, None] + jnp.arange(t + c, dtype=jnp.int32)
+    encoder = jnp.arange(t + c) < t
+    s = cache[0]["k"].shape[1]
+    new_cache = []
+    for i, w in enumerate(params["layers"]):
+        r, entry = _layer(w, cfg, i, r, positions, cache[i], start, t,
+                          _visible(cfg, i, positions, s, t, c), encoder)
+        new_cache.append(entry)
+    return new_cache, (logits_of(params, cfg, r[:, t:]) if c else None)
+
+
+def encode(params: Params, cfg: DiffusionGemmaConfig, tokens: jax.Array, start: jax.Array,
+           cache: Cache) -> Cache:
+    """Writes the KV of tokens [B, T] at positions start[b] + [0, T) of each row (causal;
+    the cache holds every position before start). Returns the cache."""
+    return forward(params, cfg, tokens, start, cache)[0]
+
+
+def decode(params: Params, cfg: DiffusionGemmaConfig, canvas: jax.Array, cached_len: jax.Array,
+           cache: Cache, soft: jax.Array, sc_on: jax.Array) -> jax.Array:
+    """One denoising step: logits [B, C, V] float32 of canvas [B, C] at positions
+    cached_len[b] + [0, C), reading the cache (positions < cached_len) and writing nothing."""
+    return forward(params, cfg, None, cached_len, cache, canvas, soft, sc_on)[1]
 
 
 def logits_of(params: Params, cfg: DiffusionGemmaConfig, h: jax.Array) -> jax.Array:
@@ -144,32 +215,6 @@ def logits_of(params: Params, cfg: DiffusionGemmaConfig, h: jax.Array) -> jax.Ar
     h = _norm(h, params["norm"], cfg)
     x = jnp.einsum("btd,vd->btv", h, params["embed"], preferred_element_type=jnp.float32)
     return cfg.final_logit_softcap * jnp.tanh(x / cfg.final_logit_softcap)
-
-
-def encode(params: Params, cfg: DiffusionGemmaConfig, tokens: jax.Array, start: jax.Array,
-           cache: Cache) -> Cache:
-    """Writes the KV of tokens [B, T] at positions start[b] + [0, T) of each row (causal;
-    the cache holds every position before start). Returns the cache."""
-    b, t = tokens.shape
-    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
-    k_pos = jnp.arange(cache[0]["k"].shape[1], dtype=jnp.int32)  # [S]
-    r = embed(params, cfg, tokens)
-    new_cache = []
-    for i, w in enumerate(params["layers"]):
-        window = cfg.sliding_window if cfg.layer_types[i] == "sliding_attention" else None
-
-        def keys_of(k, v, entry=cache[i], window=window):
-            put = jax.vmap(lambda buf, new, s: jax.lax.dynamic_update_slice_in_dim(buf, new, s, 0))
-            entry = {"k": put(entry["k"], k.astype(entry["k"].dtype), start),
-                     "v": put(entry["v"], v.astype(entry["v"].dtype), start)}
-            visible = k_pos[None, None] <= positions[..., None]  # [B, T, S]
-            if window is not None:
-                visible &= k_pos[None, None] > positions[..., None] - window
-            return entry["k"], entry["v"], visible, entry
-
-        r, entry = _layer(w, cfg, i, r, positions, keys_of, ENCODER)
-        new_cache.append(entry)
-    return new_cache
 
 
 def soft_embedding(params: Params, cfg: DiffusionGemmaConfig, processed: jax.Array) -> jax.Array:
@@ -189,28 +234,3 @@ def self_conditioning(params: Params, cfg: DiffusionGemmaConfig, x: jax.Array, s
     soft = jnp.where(sc_on[:, None, None], soft, 0)
     w = params["self_conditioning"]
     return _norm(x + _mlp(_norm(soft, w["pre_norm"], cfg), w), None, cfg)
-
-
-def decode(params: Params, cfg: DiffusionGemmaConfig, canvas: jax.Array, cached_len: jax.Array,
-           cache: Cache, soft: jax.Array, sc_on: jax.Array) -> jax.Array:
-    """One denoising step: logits [B, C, V] float32 of canvas [B, C] at positions
-    cached_len[b] + [0, C), reading the cache (positions < cached_len) and writing nothing."""
-    b, c = canvas.shape
-    positions = cached_len[:, None] + jnp.arange(c, dtype=jnp.int32)
-    s = cache[0]["k"].shape[1]
-    k_pos = jnp.arange(s, dtype=jnp.int32)
-    r = self_conditioning(params, cfg, embed(params, cfg, canvas), soft, sc_on)
-    for i, w in enumerate(params["layers"]):
-        first = cached_len - (cfg.sliding_window - 1) if cfg.layer_types[i] == "sliding_attention" \
-            else jnp.zeros_like(cached_len)
-        cached = (k_pos[None] < cached_len[:, None]) & (k_pos[None] >= first[:, None])  # [B, S]
-        visible = jnp.concatenate([cached, jnp.ones((b, c), bool)], axis=1)[:, None]  # [B, 1, S+C]
-        visible = jnp.broadcast_to(visible, (b, c, s + c))
-
-        def keys_of(k, v, entry=cache[i], visible=visible):
-            return (jnp.concatenate([entry["k"], k.astype(entry["k"].dtype)], axis=1),
-                    jnp.concatenate([entry["v"], v.astype(entry["v"].dtype)], axis=1),
-                    visible, None)
-
-        r, _ = _layer(w, cfg, i, r, positions, keys_of, DECODER)
-    return logits_of(params, cfg, r)
