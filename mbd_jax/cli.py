@@ -315,7 +315,8 @@ def _generate_canvases(args: argparse.Namespace) -> int:
     model = canvas_model.load(args.model)
     flags = {"noise": args.noise, "steps": args.denoising_steps,
              "entropy_bound": args.entropy_bound, "t_min": args.t_min, "t_max": args.t_max,
-             "seed": args.seed, "max_new_tokens": args.max_new_tokens}
+             "seed": args.seed, "max_new_tokens": args.max_new_tokens,
+             "buffer_size": args.buffer_size}
     decoding = from_dict(CanvasDecoding, {**dataclasses.asdict(model.decoding),
                                           **{k: v for k, v in flags.items() if v is not None}},
                          where="decoding")
@@ -498,7 +499,7 @@ def _generate_command(sub) -> None:
     g.add_argument("--profile", metavar="DIR", help="write a JAX profiler trace to DIR")
     _add_decode_flags(g)
     c = g.add_argument_group("canvas decoding (uniform-noise models: DiffusionGemma; "
-                             "--max-new-tokens and --seed apply too)")
+                             "--max-new-tokens, --seed and --buffer-size 1|2 apply too)")
     c.add_argument("--noise", choices=("uniform", "deterministic"),
                    help="uniform: seeded random canvases; deterministic: the cross-framework "
                         "contract (decoding/canvas.py)")
