@@ -167,7 +167,7 @@ def convert(src, dst, *, dtype: str = "bfloat16", progress: bool = True) -> dict
 
     from mbd_jax import canvas_model
     from mbd_jax.checkpoint import write_manifest
-    from mbd_jax.convert import CONVERTER_VERSION, TOKENIZER_FILES, TensorSource
+    from mbd_jax.hf_source import CONVERTER_VERSION, TOKENIZER_FILES, TensorSource
 
     src, dst = pathlib.Path(src), pathlib.Path(dst)
     hf = json.loads((src / "config.json").read_text())
