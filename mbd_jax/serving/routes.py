@@ -158,8 +158,11 @@ class Routes:
             raise HTTPError(400, f"{len(prompts)} prompts x n={n} is {len(prompts) * n} choices; "
                                  f"the limit is {self.svc.cfg.server.max_segments}",
                             param="n" if n > 1 else "prompt")
-        decodes, budget = self.svc.decode_configs(req, thinking, len(prompts) * n, "max_tokens",
-                                                  tools)
+        # off the event loop: a structured request compiles its grammar here (a large schema, or
+        # the first one building the tokenizer's grammar view, takes long enough to stall
+        # every other connection)
+        decodes, budget = await asyncio.to_thread(self.svc.decode_configs, req, thinking,
+                                                  len(prompts) * n, "max_tokens", tools)
         if budget is not None:  # an explicit token budget must fit beside every prompt
             for i, ids in enumerate(prompts):
                 self.svc.check_room(ids, decodes[0], "messages" if chat_format else
@@ -250,8 +253,8 @@ class Routes:
             raise HTTPError(400, f"{len(req.segments)} segments; the limit is "
                                  f"{self.svc.cfg.server.max_segments}", param="segments")
         thinking = self.svc.thinking(req)
-        decodes, budget = self.svc.decode_configs(req, thinking, len(req.segments),
-                                                  "max_new_tokens")
+        decodes, budget = await asyncio.to_thread(self.svc.decode_configs, req, thinking,
+                                                  len(req.segments), "max_new_tokens")
         results: list = [None] * len(req.segments)
         ids = {}  # segment index -> its token ids, for the segments that passed their checks
         for i, s in enumerate(req.segments):
