@@ -298,3 +298,32 @@ def test_committing_with_the_next_canvas_first_step_is_exact(reference, case):
         assert a.forwards == 1 + a.decoder_passes + (a.canvases - 1)  # prefill, commits
         assert b.forwards == a.forwards - (a.canvases - 1)
     assert sum(a.canvases for a in one) > 3  # some commits were there to fold
+
+
+def test_the_sampler_runs_in_row_chunks_with_the_same_tokens_and_less_memory():
+    """The LM head and the sampler run `sampler_rows` rows at a time: the same tokens (seeded
+    sampling, per-row keys) whatever the chunk, and the compiled step's temporaries grow with
+    the rows a chunk holds ([C, V] arrays per row), not with the batch."""
+    import jax
+
+    from mbd_jax import canvas_model
+
+    m = canvas_model.load("tiny-dgemma")
+    cfg, params, b = m.cfg, m.params, 8
+    prompts = [np.random.default_rng(i).integers(3, cfg.vocab_size, 5 + i).tolist() for i in range(b)]
+    d = CanvasDecoding(steps=4, seed=3, max_new_tokens=32)
+    one = canvas_loop.generate(params, cfg, prompts, [d] * b, sampler_rows=1)
+    all_rows = canvas_loop.generate(params, cfg, prompts, [d] * b, sampler_rows=b)
+    assert [r.token_ids for r in one] == [r.token_ids for r in all_rows]
+
+    p = canvas_loop.CanvasParams.of([d] * b)
+    st = canvas_loop.start_canvas(cfg, p, jnp.zeros(b, jnp.int32), jnp.zeros(b, bool), 1)
+    cache = dg.allocate_cache(cfg, b, 64)
+
+    def temporaries(rows: int) -> int:
+        step = jax.jit(lambda st, cache: canvas_loop.denoise(
+            params, cfg, p, st, cache, jnp.full(b, 24, jnp.int32), None, rows))
+        return step.lower(st, cache).compile().memory_analysis().temp_size_in_bytes
+
+    row_logits = cfg.canvas_length * cfg.vocab_size * 4
+    assert temporaries(1) + (b - 1) * row_logits <= temporaries(b)

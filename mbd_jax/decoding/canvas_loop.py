@@ -25,6 +25,11 @@ from mbd_jax.config.diffusion_gemma import CanvasDecoding, DiffusionGemmaConfig
 from mbd_jax.decoding import canvas as rules
 from mbd_jax.model import diffusion_gemma as dg
 
+# Rows whose [C, V] logits and sampler arrays a step holds at once: at DiffusionGemma's 256 x
+# 262,144 vocabulary one row's float32 logits are 268 MB, and the step's sampler (processed
+# logits, probabilities, Gumbel noise) holds a few such arrays per row.
+SAMPLER_ROWS = 4
+
 
 @flax.struct.dataclass
 class CanvasParams:
@@ -84,27 +89,29 @@ def start_canvas(cfg: DiffusionGemmaConfig, p: CanvasParams, index: jax.Array, d
 
 
 def denoise_step(params, cfg: DiffusionGemmaConfig, p: CanvasParams, st: CanvasState,
-                 cache: dg.Cache, cached_len: jax.Array, commit: jax.Array | None = None
-                 ) -> tuple[CanvasState, dg.Cache]:
+                 cache: dg.Cache, cached_len: jax.Array, commit: jax.Array | None = None,
+                 sampler_rows: int = SAMPLER_ROWS) -> tuple[CanvasState, dg.Cache]:
     """One decoder pass over every row's canvas and the sampler's update of the live rows.
     `commit` [B, C]: the previous canvas, committed by this same forward (its encoder pass at
-    cached_len - C) before the canvas reads it. Returns (the state, the cache)."""
+    cached_len - C) before the canvas reads it. The LM head and the sampler run `sampler_rows`
+    rows at a time (_sample_rows), so a step holds that many rows' [C, V] arrays, not the
+    batch's. Returns (the state, the cache)."""
     c, v = cfg.canvas_length, cfg.vocab_size
     start = cached_len if commit is None else cached_len - c
-    cache, logits = dg.forward(params, cfg, commit, start, cache, st.canvas, st.soft,
-                               st.steps_done > 0)
+    cache, h = dg.forward(params, cfg, commit, start, cache, st.canvas, st.soft,
+                          st.steps_done > 0, head=False)  # h: [B, C, D]
     t = rules.temperature(p.steps - st.steps_done, p.steps, p.t_min, p.t_max)
-    processed = logits / t[:, None, None]  # [B, C, V]
     k = st.steps_done + 1  # this step's draws: the n-th re-draw
     sample_key, noise_key = _keys(p, st.index, k)
-    sample = rules.draw(processed, p.deterministic, sample_key)
-    argmax = jnp.argmax(processed, axis=-1).astype(jnp.int32)
-    ent = rules.entropy(processed)
+    sample, argmax, ent, soft = jax.lax.map(
+        lambda row: _sample_rows(params, cfg, *row), (h, t, p.deterministic, sample_key),
+        batch_size=min(sampler_rows, h.shape[0]))
     accepted = rules.accept(ent, p.entropy_bound)
     fresh = rules.noise(p.deterministic, noise_key, st.index, k, c, v)
     canvas = jnp.where(accepted, sample, fresh)  # nothing is sticky: the rest re-drawn
-    h = st.history.shape[1]
-    held = (st.history == argmax[:, None]).all(-1) | (jnp.arange(h)[None] >= p.stability[:, None])
+    remembered = st.history.shape[1]
+    held = ((st.history == argmax[:, None]).all(-1)
+            | (jnp.arange(remembered)[None] >= p.stability[:, None]))
     settled = jnp.all(held, axis=1) & (jnp.mean(ent, axis=-1) < p.confidence)
     live = ~st.done
     pick = lambda new, old: jnp.where(  # noqa: E731
@@ -112,22 +119,34 @@ def denoise_step(params, cfg: DiffusionGemmaConfig, p: CanvasParams, st: CanvasS
     steps_done = st.steps_done + live
     return st.replace(
         canvas=pick(canvas, st.canvas), argmax=pick(argmax, st.argmax),
-        soft=pick(dg.soft_embedding(params, cfg, processed), st.soft),
+        soft=pick(soft, st.soft),
         history=pick(jnp.concatenate([argmax[:, None], st.history[:, :-1]], axis=1), st.history),
         steps_done=steps_done, done=st.done | (live & (settled | (steps_done >= p.steps)))), cache
 
 
+def _sample_rows(params, cfg: DiffusionGemmaConfig, h: jax.Array, t: jax.Array,
+                 deterministic: jax.Array, key: jax.Array):
+    """One row's sampler (lax.map runs it over rows, in chunks): h [C, D] -> (the draw, the
+    argmax [C], the entropy [C] of processed = logits / t, its soft embedding [C, D])."""
+    processed = dg.logits_of(params, cfg, h[None]) / t  # [1, C, V]
+    sample = rules.draw(processed, deterministic[None], key[None])
+    argmax = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    return (sample[0], argmax[0], rules.entropy(processed)[0],
+            dg.soft_embedding(params, cfg, processed)[0])
+
+
 def denoise(params, cfg: DiffusionGemmaConfig, p: CanvasParams, st: CanvasState,
-            cache: dg.Cache, cached_len: jax.Array, commit: jax.Array | None = None
-            ) -> tuple[CanvasState, dg.Cache]:
+            cache: dg.Cache, cached_len: jax.Array, commit: jax.Array | None = None,
+            sampler_rows: int = SAMPLER_ROWS) -> tuple[CanvasState, dg.Cache]:
     """Steps until every row's canvas has settled or run its steps; with `commit` (the
     previous canvas) the first step also commits it (MultiBD for canvases: one forward fewer
     per canvas). Returns (the state, the cache)."""
     if commit is not None:  # every row takes part in the commit, settled or not
-        st, cache = denoise_step(params, cfg, p, st, cache, cached_len, commit)
+        st, cache = denoise_step(params, cfg, p, st, cache, cached_len, commit, sampler_rows)
     return jax.lax.while_loop(
         lambda s: ~jnp.all(s.done),
-        lambda s: denoise_step(params, cfg, p, s, cache, cached_len)[0], st), cache
+        lambda s: denoise_step(params, cfg, p, s, cache, cached_len,
+                               sampler_rows=sampler_rows)[0], st), cache
 
 
 @dataclasses.dataclass
@@ -144,9 +163,11 @@ class CanvasResult:
 
 
 def generate(params, cfg: DiffusionGemmaConfig, prompts: Sequence[Sequence[int]],
-             decodings: Sequence[CanvasDecoding]) -> list[CanvasResult]:
+             decodings: Sequence[CanvasDecoding], sampler_rows: int = SAMPLER_ROWS
+             ) -> list[CanvasResult]:
     """Each prompt's canvases, side by side: prefill, then per canvas denoise, take the argmax
-    canvas and, unless the row ends (an EOS in it, or its canvases run out), commit it."""
+    canvas and, unless the row ends (an EOS in it, or its canvases run out), commit it.
+    `sampler_rows`: rows whose LM head and sampler run at once (denoise_step)."""
     b, c = len(prompts), cfg.canvas_length
     p = CanvasParams.of(decodings)
     budget = np.array([math.ceil(d.max_new_tokens / c) for d in decodings])
@@ -166,7 +187,7 @@ def generate(params, cfg: DiffusionGemmaConfig, prompts: Sequence[Sequence[int]]
     for index in range(int(budget.max())):
         done |= index >= budget
         fresh = start_canvas(cfg, p, jnp.full(b, index, jnp.int32), jnp.asarray(done), history)
-        st, cache = _denoise(params, cfg, p, fresh, cache, cached, pending)
+        st, cache = _denoise(params, cfg, p, fresh, cache, cached, pending, sampler_rows)
         argmax, steps = np.asarray(st.argmax), np.asarray(st.steps_done)
         for i in np.flatnonzero(~done):
             out[i] += _pad_after_eos(cfg, argmax[i].tolist())
@@ -204,6 +225,6 @@ def _encode(params, cfg, tokens, start, cache):
     return dg.encode(params, cfg, tokens, start, cache)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _denoise(params, cfg, p, st, cache, cached_len, commit):
-    return denoise(params, cfg, p, st, cache, cached_len, commit)
+@functools.partial(jax.jit, static_argnums=(1, 7))
+def _denoise(params, cfg, p, st, cache, cached_len, commit, sampler_rows):
+    return denoise(params, cfg, p, st, cache, cached_len, commit, sampler_rows)

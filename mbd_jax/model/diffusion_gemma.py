@@ -170,13 +170,14 @@ def _visible(cfg: DiffusionGemmaConfig, layer: int, positions: jax.Array, s: int
 
 def forward(params: Params, cfg: DiffusionGemmaConfig, commit: jax.Array | None,
             start: jax.Array, cache: Cache, canvas: jax.Array | None = None,
-            soft: jax.Array | None = None, sc_on: jax.Array | None = None
+            soft: jax.Array | None = None, sc_on: jax.Array | None = None, head: bool = True
             ) -> tuple[Cache, jax.Array | None]:
     """Both passes in one forward: the encoder pass over commit [B, T] at positions
     start[b] + [0, T) (its KV written), then a decoder step over canvas [B, C] right after it
     (positions start + T + [0, C)), reading the cache and the committed tokens' fresh KV. Either
     part may be absent (None). Every token's computation is the one its pass alone would do.
-    Returns (the cache, the canvas's logits [B, C, V] float32 or None)."""
+    Returns (the cache, the canvas's logits [B, C, V] float32 or None; `head` False: its last
+    hidden states [B, C, D] instead, for a caller that applies logits_of in pieces)."""
     parts, t, c = [], 0, 0
     if commit is not None:
         t = commit.shape[1]
@@ -193,7 +194,9 @@ def forward(params: Params, cfg: DiffusionGemmaConfig, commit: jax.Array | None,
         r, entry = _layer(w, cfg, i, r, positions, cache[i], start, t,
                           _visible(cfg, i, positions, s, t, c), encoder)
         new_cache.append(entry)
-    return new_cache, (logits_of(params, cfg, r[:, t:]) if c else None)
+    if not c:
+        return new_cache, None
+    return new_cache, logits_of(params, cfg, r[:, t:]) if head else r[:, t:]
 
 
 def encode(params: Params, cfg: DiffusionGemmaConfig, tokens: jax.Array, start: jax.Array,
