@@ -142,3 +142,27 @@ def load(model: str, with_weights: bool = True) -> CanvasModel:
         decoding.validate(f"{path.parent / GENERATION_FILE}: canvas")
     tokenizer = load_tokenizer(path.parent / extra["tokenizer"]) if extra["tokenizer"] else None
     return CanvasModel(cfg, params, tokenizer, decoding, path)
+
+
+def verify(model_dir: pathlib.Path) -> list[tuple[str, str | None]]:
+    """`mbd-jax verify` for this family (checkpoint.verify_model_dir's checks): config.yaml,
+    checksums, params/ against the config's shapes (orbax metadata, no weights read), the
+    tokenizer, generation.yaml. Returns (check, problem or None) per check."""
+    from mbd_jax.checkpoint import manifest_problems, params_problem
+
+    d = pathlib.Path(model_dir).absolute()
+    try:
+        model = load(str(d), with_weights=False)
+    except ConfigError as e:
+        return [("config.yaml", str(e))]
+    results: list[tuple[str, str | None]] = [("config.yaml", None)]
+    if (d / "manifest.json").is_file():
+        results += [("checksums", p) for p in manifest_problems(d)] or [("checksums", None)]
+    else:
+        results.append(("checksums", "no manifest.json: the files cannot be checked"))
+    results.append(("parameters", params_problem(d / "params", param_shapes(model.cfg))))
+    if model.tokenizer is not None:
+        results.append(("tokenizer", None if model.tokenizer.vocab_size <= model.cfg.vocab_size
+                        else f"tokenizer has {model.tokenizer.vocab_size} tokens, vocab_size is "
+                             f"{model.cfg.vocab_size}"))
+    return results

@@ -103,8 +103,6 @@ def verify_model_dir(model_dir: str | pathlib.Path) -> list[tuple[str, str | Non
     describes (names, shapes, dtypes, from orbax's metadata), the tokenizer loads and fits the
     vocabulary, generation.yaml (when present) holds valid settings. Returns (check, problem or
     None) per check; a check that cannot run after an earlier failure is skipped."""
-    import orbax.checkpoint as ocp
-
     from mbd_jax.model import layout
     from mbd_jax.model.transformer import param_shapes
 
@@ -129,26 +127,8 @@ def verify_model_dir(model_dir: str | pathlib.Path) -> list[tuple[str, str | Non
     else:
         results.append(("checksums", "no manifest.json: the files cannot be checked"))
     if cfg.init == "checkpoint":
-        want = param_shapes(layout.canonical(cfg))
-        try:
-            got = ocp.StandardCheckpointer().metadata(d / "params").item_metadata
-        except Exception as e:  # orbax raises many types for a damaged checkpoint
-            got, problem = None, f"params/ is unreadable ({type(e).__name__}: {str(e)[:200]})"
-        if got is not None:
-            want_flat = {"/".join(k): v for k, v in _flat(want)}
-            got_flat = {"/".join(k): v for k, v in _flat(dict(got))}
-            problem = None
-            for name in sorted(want_flat.keys() | got_flat.keys()):
-                w, g = want_flat.get(name), got_flat.get(name)
-                if w is None or g is None:
-                    problem = (f"parameter {name} is in params/ but not in the config's model"
-                               if w is None else f"parameter {name} is missing from params/")
-                elif tuple(g.shape) != tuple(w.shape) or str(g.dtype) != str(w.dtype):
-                    problem = (f"parameter {name} is {g.dtype}{list(g.shape)} in params/, the "
-                               f"config needs {w.dtype}{list(w.shape)}")
-                if problem:
-                    break
-        results.append(("parameters", problem))
+        results.append(("parameters", params_problem(d / "params",
+                                                     param_shapes(layout.canonical(cfg)))))
     if cfg.tokenizer:
         try:
             tok = load_tokenizer((d / cfg.tokenizer).resolve())
@@ -166,9 +146,32 @@ def verify_model_dir(model_dir: str | pathlib.Path) -> list[tuple[str, str | Non
     return results
 
 
+def params_problem(params_dir: pathlib.Path, want: Any) -> str | None:
+    """The first way the orbax checkpoint at params_dir differs from `want` (a tree of shapes
+    and dtypes): a missing or extra parameter, a shape, a dtype; None when it matches. Reads
+    orbax's metadata only."""
+    import orbax.checkpoint as ocp
+
+    try:
+        got = ocp.StandardCheckpointer().metadata(params_dir).item_metadata
+    except Exception as e:  # orbax raises many types for a damaged checkpoint
+        return f"params/ is unreadable ({type(e).__name__}: {str(e)[:200]})"
+    want_flat = {"/".join(k): v for k, v in _flat(want)}
+    got_flat = {"/".join(k): v for k, v in _flat(dict(got))}
+    for name in sorted(want_flat.keys() | got_flat.keys()):
+        w, g = want_flat.get(name), got_flat.get(name)
+        if w is None or g is None:
+            return (f"parameter {name} is in params/ but not in the config's model" if w is None
+                    else f"parameter {name} is missing from params/")
+        if tuple(g.shape) != tuple(w.shape) or str(g.dtype) != str(w.dtype):
+            return (f"parameter {name} is {g.dtype}{list(g.shape)} in params/, the config needs "
+                    f"{w.dtype}{list(w.shape)}")
+    return None
+
+
 def _flat(tree: Any, prefix: tuple = ()):
-    if isinstance(tree, dict):
-        for k, v in tree.items():
+    if isinstance(tree, (dict, list)):
+        for k, v in (tree.items() if isinstance(tree, dict) else enumerate(tree)):
             yield from _flat(v, prefix + (str(k),))
     else:
         yield prefix, tree

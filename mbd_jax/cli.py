@@ -374,11 +374,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Exit 0 when every check passes, 1 naming each failure (2: bad usage)."""
+    from mbd_jax import canvas_model
     from mbd_jax.checkpoint import verify_model_dir
 
     from mbd_jax.config.paths import shipped
 
-    results = verify_model_dir(shipped(args.model_dir))
+    path = shipped(args.model_dir)
+    results = (canvas_model.verify(path) if canvas_model.is_canvas_model(str(path))
+               else verify_model_dir(path))
     failed = [(check, problem) for check, problem in results if problem]
     if args.json:
         print(json.dumps({"model_dir": args.model_dir, "ok": not failed,

@@ -282,6 +282,13 @@ def test_the_cli_converts_a_checkpoint_and_generates_like_transformers(reference
     assert (got["token_ids"], got["decoder_passes"]) == (want, forwards)
     r = run("serve", "--model", str(out), "--port", "0")
     assert r.returncode != 0 and "diffusion_gemma" in r.stderr and "Traceback" not in r.stderr
+    r = run("verify", str(out), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["ok"], r.stdout
+    (out / "tokenizer.json").unlink(missing_ok=True)  # (no tokenizer here: break a checksum)
+    (out / "config.yaml").write_text((out / "config.yaml").read_text() + "\n")
+    r = run("verify", str(out), "--json")
+    checks = {c["check"]: c["problem"] for c in json.loads(r.stdout)["checks"]}
+    assert r.returncode == 1 and "config.yaml does not match" in checks["checksums"], checks
 
 
 @pytest.mark.parametrize("case", ["three-canvases", "adaptive-stop"])
