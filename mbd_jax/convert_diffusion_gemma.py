@@ -173,22 +173,21 @@ def convert(src, dst, *, dtype: str = "bfloat16", progress: bool = True) -> dict
     hf = json.loads((src / "config.json").read_text())
     cfg = config_from_hf(hf, src.name, dtype)
     gen_path = src / "generation_config.json"
-    decoding = decoding_from_hf(json.loads(gen_path.read_text()) if gen_path.is_file() else {})
-    if gen_path.is_file():  # EOS / pad as the generation config states them
-        gen = json.loads(gen_path.read_text())
-        eos = gen.get("eos_token_id")
-        if eos is not None:
-            cfg = dataclasses.replace(cfg, eos_token_ids=tuple(eos if isinstance(eos, list) else [eos]))
-        if isinstance(gen.get("pad_token_id"), int):
-            cfg = dataclasses.replace(cfg, pad_token_id=gen["pad_token_id"])
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    decoding = decoding_from_hf(gen)
+    eos = gen.get("eos_token_id")  # EOS / pad as the generation config states them
+    if eos is not None:
+        cfg = dataclasses.replace(cfg, eos_token_ids=tuple(eos if isinstance(eos, list) else [eos]))
+    if isinstance(gen.get("pad_token_id"), int):
+        cfg = dataclasses.replace(cfg, pad_token_id=gen["pad_token_id"])
     cfg.validate("config.json")
     source = TensorSource(src)
     t0 = time.perf_counter()
     params = params_from_hf(source.get, set(source.names), cfg)
-    if dtype == "bfloat16":
-        import jax
-        import jax.numpy as jnp
+    import jax
+    import jax.numpy as jnp
 
+    if dtype == "bfloat16":
         params = jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16), params)
     read_s = time.perf_counter() - t0
     dst.mkdir(parents=True, exist_ok=True)
@@ -198,15 +197,10 @@ def convert(src, dst, *, dtype: str = "bfloat16", progress: bool = True) -> dict
             shutil.copy2(src / name, dst / name)
             tokenizer = "tokenizer.json" if name == "tokenizer.json" else tokenizer
     canvas_model.save(dst, cfg, params, decoding, tokenizer)
-    n_params = int(sum(np.asarray(a).size for a in _leaves(params)))
+    n_params = int(sum(np.asarray(a).size for a in jax.tree.leaves(params)))
     return write_manifest(dst, {
         "converter_version": CONVERTER_VERSION, "source": str(src.resolve()),
         "family": canvas_model.FAMILY, "dtype": dtype, "quantization": "none",
         "parameters": n_params, "seconds_reading": round(read_s, 3),
         "source_bytes": source.nbytes()})
 
-
-def _leaves(tree):
-    import jax
-
-    return jax.tree.leaves(tree)

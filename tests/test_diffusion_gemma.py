@@ -334,3 +334,11 @@ def test_the_sampler_runs_in_row_chunks_with_the_same_tokens_and_less_memory():
 
     row_logits = cfg.canvas_length * cfg.vocab_size * 4
     assert temporaries(1) + (b - 1) * row_logits <= temporaries(b)
+
+
+def test_out_of_range_settings_stop_before_the_device(reference):
+    _, cfg, params, _ = reference
+    for bad, field in ((dict(t_max=0.1), "t_max"), (dict(entropy_bound=0.0), "entropy_bound"),
+                       (dict(buffer_size=3), "buffer_size")):
+        with pytest.raises(ConfigError, match=f"decoding\\[0\\].*{field}"):
+            canvas_loop.generate(params, cfg, PROMPTS[:1], [dataclasses.replace(CONTRACT, **bad)])

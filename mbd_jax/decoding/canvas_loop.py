@@ -169,6 +169,8 @@ def generate(params, cfg: DiffusionGemmaConfig, prompts: Sequence[Sequence[int]]
     canvas and, unless the row ends (an EOS in it, or its canvases run out), commit it.
     `sampler_rows`: rows whose LM head and sampler run at once (denoise_step)."""
     b, c = len(prompts), cfg.canvas_length
+    for i, d in enumerate(decodings):  # every value in range before it reaches the device
+        d.validate(f"decoding[{i}]")
     p = CanvasParams.of(decodings)
     budget = np.array([math.ceil(d.max_new_tokens / c) for d in decodings])
     lengths = np.array([len(x) for x in prompts], np.int32)
