@@ -130,7 +130,7 @@ def _check_cache(cfg, cache, hf_cache, length):
         kept = layer.keys.shape[2]
         assert kept == (min(length, cfg.sliding_window - 1)
                         if cfg.layer_types[i] == "sliding_attention" else length)
-        for ours, theirs in ((cache[i]["k"], layer.keys), (cache[i]["v"], layer.values)):
+        for ours, theirs in ((cache.layers[i]["k"], layer.keys), (cache.layers[i]["v"], layer.values)):
             got = np.asarray(ours[0, length - kept:length])  # [kept, K, Dh]
             np.testing.assert_allclose(got, theirs[0].transpose(0, 1).numpy(), atol=1e-5)
 

@@ -18,6 +18,8 @@ from mbd_jax.config.fields import _check, _check_range
 
 AttentionKind = Literal["sliding_attention", "full_attention"]  # transformers' layer_types names
 NoiseKind = Literal["uniform", "deterministic"]  # decoding/canvas.py
+STABILITY_LIMIT = 16  # the most steps a request may ask the argmax canvas to hold still (the
+# engine keeps that many argmax canvases per row)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +100,7 @@ class CanvasDecoding:
 
     def validate(self, where: str = "decoding") -> None:
         _check_range(self, where, "steps", 1, 1 << 16)
-        _check_range(self, where, "stability", 0, 1 << 16)
+        _check_range(self, where, "stability", 0, STABILITY_LIMIT)
         _check_range(self, where, "max_new_tokens", 1, 1 << 30)
         _check_range(self, where, "seed", 0, 2**31 - 1)
         _check_range(self, where, "buffer_size", 1, 2)

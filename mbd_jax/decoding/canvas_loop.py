@@ -90,16 +90,18 @@ def start_canvas(cfg: DiffusionGemmaConfig, p: CanvasParams, index: jax.Array, d
 
 def denoise_step(params, cfg: DiffusionGemmaConfig, p: CanvasParams, st: CanvasState,
                  cache: dg.Cache, cached_len: jax.Array, commit: jax.Array | None = None,
-                 sampler_rows: int = SAMPLER_ROWS) -> tuple[CanvasState, dg.Cache]:
+                 sampler_rows: int = SAMPLER_ROWS, commit_rows: jax.Array | None = None
+                 ) -> tuple[CanvasState, dg.Cache]:
     """One decoder pass over every row's canvas and the sampler's update of the live rows.
     `commit` [B, C]: the previous canvas, committed by this same forward (its encoder pass at
-    cached_len - C) before the canvas reads it. The LM head and the sampler run `sampler_rows`
+    cached_len - C) before the canvas reads it, for the rows `commit_rows` [B] selects
+    (default all; the others' cache keeps what it holds there). The LM head and the sampler run `sampler_rows`
     rows at a time (_sample_rows), so a step holds that many rows' [C, V] arrays, not the
     batch's. Returns (the state, the cache)."""
     c, v = cfg.canvas_length, cfg.vocab_size
     start = cached_len if commit is None else cached_len - c
     cache, h = dg.forward(params, cfg, commit, start, cache, st.canvas, st.soft,
-                          st.steps_done > 0, head=False)  # h: [B, C, D]
+                          st.steps_done > 0, head=False, write=commit_rows)  # h: [B, C, D]
     t = rules.temperature(p.steps - st.steps_done, p.steps, p.t_min, p.t_max)
     k = st.steps_done + 1  # this step's draws: the n-th re-draw
     sample_key, noise_key = _keys(p, st.index, k)
@@ -147,6 +149,37 @@ def denoise(params, cfg: DiffusionGemmaConfig, p: CanvasParams, st: CanvasState,
         lambda s: ~jnp.all(s.done),
         lambda s: denoise_step(params, cfg, p, s, cache, cached_len,
                                sampler_rows=sampler_rows)[0], st), cache
+
+
+def engine_round(params, cfg: DiffusionGemmaConfig, p: CanvasParams, st: CanvasState,
+                 cache: dg.Cache, cached_len: jax.Array, index: jax.Array, fresh: jax.Array,
+                 idle: jax.Array, commit: jax.Array | None, commit_rows: jax.Array, max_steps: jax.Array,
+                 sampler_rows: int = SAMPLER_ROWS) -> tuple[CanvasState, dg.Cache]:
+    """The engine's decode call over rows at different places in their generations: rows
+    `fresh` [B] start a new canvas (their `st.index`), `idle` [B] rows take no steps, then
+    every live row steps until one of them finishes its canvas or `max_steps` passed. index
+    [B]: each fresh row's canvas index in its generation. `commit`
+    [B, C] (the rows `commit_rows` [B] select): previous canvases that the first step commits
+    (MultiBD for canvases). A row's tokens never depend on the other rows."""
+    new = start_canvas(cfg, p, index, idle, st.history.shape[1])
+    st = jax.tree.map(lambda a, b: jnp.where(
+        fresh.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), new, st)
+    st = st.replace(done=st.done | idle)
+    before = st.done
+    st, cache = denoise_step(params, cfg, p, st, cache, cached_len, commit, sampler_rows,
+                             commit_rows)
+
+    def running(carry):
+        s, n = carry
+        return ~jnp.any(s.done & ~before) & ~jnp.all(s.done) & (n < max_steps)
+
+    def step(carry):
+        s, n = carry
+        return denoise_step(params, cfg, p, s, cache, cached_len,
+                            sampler_rows=sampler_rows)[0], n + 1
+
+    st, _ = jax.lax.while_loop(running, step, (st, jnp.int32(1)))
+    return st, cache
 
 
 @dataclasses.dataclass

@@ -21,8 +21,14 @@ Attention: q / k RMSNorm with scale, v RMSNorm without (a global layer's v is k'
 projection), rotary on both, attention scale 1. Logits: final norm, the tied embedding, then
 30 * tanh(x / 30) in float32.
 
-The cache here is dense per layer ({"k", "v"}: [B, S, K, Dh] each): the exact reference the
-engine's paged pool will be held to.
+The cache is paged (`PagedCache`): per layer a pool of pages k, v [P, page, K, Dh] (sliding and
+global layers have their own head shapes) and one page table [B, n] for every layer, so both
+kinds of layer store a position in the same page. A layer reads a row's pages in table order
+(positions [0, n * page)) and writes a token at (table[b, s // page], s % page); a table entry
+P maps nothing (writes there are dropped, reads give zeros). A dense cache is the special case
+of one page per row (`allocate_cache`). Every layer stores every position, sliding ones too
+(a sliding layer reads only its last window; keeping just that would need a ring of pages per
+row: not done).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -38,16 +45,59 @@ from mbd_jax.model import moe
 from mbd_jax.model.layers import NEG_INF, rms_norm
 
 Params = dict[str, Any]
-Cache = list[dict[str, jax.Array]]  # per layer: k, v [B, S, K, Dh]
 DECODER, ENCODER = 0, 1  # index of each mode's residual scale in a layer's `scalar`
 
 gelu = jax.nn.gelu  # tanh-approximated (transformers' gelu_pytorch_tanh)
 
 
-def allocate_cache(cfg: DiffusionGemmaConfig, batch: int, capacity: int) -> Cache:
+@flax.struct.dataclass
+class PagedCache:
+    layers: list[dict[str, jax.Array]]  # per layer: k, v [P, page, K, Dh]
+    table: jax.Array  # [B, n] int32: the pool page of each row's logical page (P: none)
+
+    @property
+    def page(self) -> int:
+        return self.layers[0]["k"].shape[1]
+
+    @property
+    def span(self) -> int:
+        """Positions a row's table can address."""
+        return self.table.shape[1] * self.page
+
+
+Cache = PagedCache
+
+
+def allocate_pool(cfg: DiffusionGemmaConfig, pages: int, page: int) -> list[dict[str, jax.Array]]:
+    """Zeroed pages for every layer: k, v [pages, page, K, Dh] with the layer's head shape."""
     dtype = jnp.dtype(cfg.dtype)
-    return [{name: jnp.zeros((batch, capacity, *cfg.head(i)), dtype) for name in ("k", "v")}
+    return [{name: jnp.zeros((pages, page, *cfg.head(i)), dtype) for name in ("k", "v")}
             for i in range(cfg.num_layers)]
+
+
+def allocate_cache(cfg: DiffusionGemmaConfig, batch: int, capacity: int) -> PagedCache:
+    """A dense cache: one page of `capacity` positions per row."""
+    return PagedCache(allocate_pool(cfg, batch, capacity),
+                      jnp.arange(batch, dtype=jnp.int32)[:, None])
+
+
+def _read(buf: jax.Array, table: jax.Array) -> jax.Array:
+    """buf [P, page, K, Dh] -> [B, n * page, K, Dh]: each row's pages in table order."""
+    pages = buf.at[table].get(mode="fill", fill_value=0)  # [B, n, page, K, Dh]
+    b, n, page = pages.shape[:3]
+    return pages.reshape(b, n * page, *buf.shape[2:])
+
+
+def _write(buf: jax.Array, table: jax.Array, positions: jax.Array, new: jax.Array,
+           write: jax.Array) -> jax.Array:
+    """new [B, T, K, Dh] stored at positions [B, T] of the rows `write` [B] selects; a position
+    outside a row's table is dropped."""
+    page, n = buf.shape[1], table.shape[1]
+    logical = positions // page
+    slot = jnp.take_along_axis(table, jnp.clip(logical, 0, n - 1), axis=1)
+    ok = write[:, None] & (positions >= 0) & (logical < n)
+    slot = jnp.where(ok, slot, buf.shape[0])
+    return buf.at[slot, positions % page].set(new.astype(buf.dtype), mode="drop")
 
 
 def inverse_frequencies(cfg: DiffusionGemmaConfig, layer: int) -> jax.Array:
@@ -128,19 +178,20 @@ def _ffn(w: Params, cfg: DiffusionGemmaConfig, r: jax.Array) -> jax.Array:
 
 
 def _layer(w: Params, cfg: DiffusionGemmaConfig, layer: int, r: jax.Array, positions: jax.Array,
-           entry: dict[str, jax.Array], start: jax.Array, written: int, visible: jax.Array,
-           encoder: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+           entry: dict[str, jax.Array], table: jax.Array, written: int, write: jax.Array,
+           visible: jax.Array, encoder: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One layer over r [B, T + C, D]: its first `written` (T) tokens are encoder tokens whose
-    K/V go into the cache entry at `start`, the rest a canvas whose K/V only the canvas reads.
-    visible: [B, T + C, S + C] over the cache's S positions then the canvas; encoder [T + C]
-    bool picks each token's residual scale. Returns (r, the entry)."""
+    K/V go into the layer's pages (rows `write` [B]), the rest a canvas whose K/V only the
+    canvas reads. visible: [B, T + C, S + C] over the row's S cached positions then the canvas;
+    encoder [T + C] bool picks each token's residual scale. Returns (r, the entry)."""
     q, k, v = _qkv(w["attn"], cfg, layer, _norm(r, w["input_norm"], cfg), positions)
     if written:
-        put = jax.vmap(lambda buf, new, s: jax.lax.dynamic_update_slice_in_dim(buf, new, s, 0))
-        entry = {"k": put(entry["k"], k[:, :written].astype(entry["k"].dtype), start),
-                 "v": put(entry["v"], v[:, :written].astype(entry["v"].dtype), start)}
-    keys = jnp.concatenate([entry["k"], k[:, written:].astype(entry["k"].dtype)], axis=1)
-    values = jnp.concatenate([entry["v"], v[:, written:].astype(entry["v"].dtype)], axis=1)
+        at = positions[:, :written]
+        entry = {"k": _write(entry["k"], table, at, k[:, :written], write),
+                 "v": _write(entry["v"], table, at, v[:, :written], write)}
+    dtype = entry["k"].dtype
+    keys = jnp.concatenate([_read(entry["k"], table), k[:, written:].astype(dtype)], axis=1)
+    values = jnp.concatenate([_read(entry["v"], table), v[:, written:].astype(dtype)], axis=1)
     attn = _attend(q, keys, values, visible) @ w["attn"]["o"]
     r = r + _norm(attn, w["post_attn_norm"], cfg)
     r = r + _ffn(w, cfg, r)
@@ -170,10 +221,12 @@ def _visible(cfg: DiffusionGemmaConfig, layer: int, positions: jax.Array, s: int
 
 def forward(params: Params, cfg: DiffusionGemmaConfig, commit: jax.Array | None,
             start: jax.Array, cache: Cache, canvas: jax.Array | None = None,
-            soft: jax.Array | None = None, sc_on: jax.Array | None = None, head: bool = True
-            ) -> tuple[Cache, jax.Array | None]:
+            soft: jax.Array | None = None, sc_on: jax.Array | None = None, head: bool = True,
+            write: jax.Array | None = None) -> tuple[Cache, jax.Array | None]:
     """Both passes in one forward: the encoder pass over commit [B, T] at positions
-    start[b] + [0, T) (its KV written), then a decoder step over canvas [B, C] right after it
+    start[b] + [0, T) (its KV written for the rows `write` [B] selects, default all: a row
+    left out keeps what its cache holds there, and its canvas reads that), then a decoder step
+    over canvas [B, C] right after it
     (positions start + T + [0, C)), reading the cache and the committed tokens' fresh KV. Either
     part may be absent (None). Every token's computation is the one its pass alone would do.
     Returns (the cache, the canvas's logits [B, C, V] float32 or None; `head` False: its last
@@ -188,12 +241,13 @@ def forward(params: Params, cfg: DiffusionGemmaConfig, commit: jax.Array | None,
     r = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
     positions = start[:, None] + jnp.arange(t + c, dtype=jnp.int32)
     encoder = jnp.arange(t + c) < t
-    s = cache[0]["k"].shape[1]
-    new_cache = []
+    write = jnp.ones(r.shape[0], bool) if write is None else write
+    layers = []
     for i, w in enumerate(params["layers"]):
-        r, entry = _layer(w, cfg, i, r, positions, cache[i], start, t,
-                          _visible(cfg, i, positions, s, t, c), encoder)
-        new_cache.append(entry)
+        r, entry = _layer(w, cfg, i, r, positions, cache.layers[i], cache.table, t, write,
+                          _visible(cfg, i, positions, cache.span, t, c), encoder)
+        layers.append(entry)
+    new_cache = cache.replace(layers=layers)
     if not c:
         return new_cache, None
     return new_cache, logits_of(params, cfg, r[:, t:]) if head else r[:, t:]

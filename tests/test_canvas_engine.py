@@ -1,0 +1,119 @@
+"""The canvas engine (DiffusionGemma in the paged pool, continuously batched) against
+transformers' own `generate` under the deterministic contract: rows admitted while others are
+mid-canvas, mixed settings, EOS endings, adaptive stops and both commit schedules give the same
+tokens and decoder forwards as transformers run one prompt at a time; prompts sharing a prefix
+share its pool pages; nothing compiles after the warm-up."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from mbd_jax import compile_stats
+from mbd_jax.engine.canvas_engine import CanvasEngine
+from mbd_jax.engine.canvas_rows import canvas_output
+from mbd_jax.engine.rows import EngineRequest
+from mbd_jax.errors import UserError
+from tests.test_diffusion_gemma import (CANVAS, CONTRACT, PROMPTS, SETTLING, TEXT, eos_model,  # noqa: F401
+                                        reference, transformers_generate)
+
+
+def _output(ids: list[int], max_new: int) -> list[int]:
+    """transformers' whole canvases (pads after an EOS) as the engine outputs them: to the
+    first EOS, at most max_new tokens."""
+    out = []
+    for k in range(0, len(ids), CANVAS):
+        new, _, ends = canvas_output(ids[k: k + CANVAS], max_new - len(out), (TEXT["eos_token_id"],))
+        out += new
+        if ends:
+            break
+    return out
+
+
+def _engine(cfg, params, **kw) -> CanvasEngine:
+    e = CanvasEngine(cfg, params, **{"batch_size": 2, "page_size": CANVAS, "max_len": 96,
+                                     "prefill_chunk": 8, **kw})
+    e.warmup()
+    return e
+
+
+@pytest.mark.parametrize("case", ["mixed", "eos"])
+def test_the_engine_decodes_like_transformers(reference, eos_model, case):
+    """Five requests on two rows (the later ones admitted as rows free up, beside a row that is
+    mid-generation), each its own settings and commit schedule: transformers' tokens and
+    decoder forwards for each, one prompt at a time."""
+    model, cfg, params = (eos_model if case == "eos" else reference)[:3]
+    prompts = [*PROMPTS, PROMPTS[1][:4], PROMPTS[2] + PROMPTS[0]]
+    decodings = [
+        dataclasses.replace(CONTRACT, max_new_tokens=20),  # 3 canvases, the last cut
+        dataclasses.replace(SETTLING, buffer_size=2),  # adaptive stops, fused commits
+        dataclasses.replace(CONTRACT, t_min=0.2, t_max=1.5, stability=2, buffer_size=2),
+        dataclasses.replace(SETTLING, max_new_tokens=8),  # one canvas
+        dataclasses.replace(CONTRACT, steps=3, max_new_tokens=40),
+    ]
+    engine = _engine(cfg, params)
+    before = compile_stats.compiles()
+    got = engine.generate(prompts, decodings)
+    assert compile_stats.compiles() == before  # nothing compiles after the warm-up
+    passes = 0
+    for prompt, d, r in zip(prompts, decodings, got):
+        ids, forwards = transformers_generate(model, prompt, d)
+        want = _output(ids, d.max_new_tokens)
+        assert (r.token_ids, r.nfe) == (want, forwards), (case, len(prompt))
+        assert r.eos == (TEXT["eos_token_id"] in ids[: len(want) + 1])
+        assert r.finish_reason == ("stop" if r.eos else "length")
+        passes += forwards
+    if case == "eos":
+        assert sum(r.eos for r in got) >= 3
+    else:
+        assert passes < sum(-(-d.max_new_tokens // CANVAS) * d.steps for d in decodings)
+        assert got[1].bubble_forwards == 0 and got[0].bubble_forwards == got[0].blocks - 1
+    engine.pages.check([])  # every page back (prefix pages stay cached)
+
+
+def test_prompts_sharing_a_prefix_share_its_pages(reference):
+    """A second prompt starting with the first one's three full pages maps them (no prefill
+    of them) and decodes exactly what it decodes alone."""
+    _, cfg, params = reference[:3]
+    base = PROMPTS[2][:17]  # pages of 8: two full
+    second = base + PROMPTS[0]
+    alone = _engine(cfg, params).generate([second], [CONTRACT])[0]
+    engine = _engine(cfg, params)
+    first, shared = engine.generate([base, second], [CONTRACT, CONTRACT])
+    assert engine.stats().pool_hit_tokens == 16
+    assert shared.token_ids == alone.token_ids
+    later = engine.generate([second], [CONTRACT])[0]  # cached pages, no row holding them
+    assert later.token_ids == alone.token_ids and engine.stats().pool_hit_tokens == 32
+
+
+def test_a_stopped_row_keeps_what_it_was_given_and_a_cancelled_one_frees_its_row(reference):
+    _, cfg, params = reference[:3]
+    engine = _engine(cfg, params)
+    d = dataclasses.replace(CONTRACT, max_new_tokens=40)
+    a, b = EngineRequest(PROMPTS[0], d), EngineRequest(PROMPTS[1], d)
+    out = engine.step([a, b])
+    assert out.admitted == [a, b]
+    given = [t for e in out.events if e.request is a for t in e.tokens]
+    engine.end(a, "stop")
+    engine.end(b)
+    out = engine.step()
+    [event] = out.events
+    assert event.request is a and event.finished
+    r = event.result(0.0)
+    assert r.token_ids == given and r.finish_reason == "stop"
+    assert len(engine.rows) == 0 and engine.pages.in_use == 0
+
+
+def test_requests_the_engine_cannot_hold_are_refused_by_field(reference):
+    _, cfg, params = reference[:3]
+    engine = CanvasEngine(cfg, params, batch_size=1, page_size=CANVAS, max_len=32)
+    with pytest.raises(UserError, match="decoding: the prompt .* 32 per row"):
+        engine.check_fits(PROMPTS[2], dataclasses.replace(CONTRACT, max_new_tokens=16))
+    with pytest.raises(UserError, match="field 'entropy_bound'"):
+        engine.check_decode(dataclasses.replace(CONTRACT, entropy_bound=0.0))
+    with pytest.raises(UserError, match=r"token id 999 .*\[0, 128\)"):
+        engine.check_prompt([3, 999])
+    engine.check_fits(PROMPTS[0], dataclasses.replace(CONTRACT, max_new_tokens=16))
+    assert np.all(np.asarray(engine.table()) == engine.pages.num_pages)
