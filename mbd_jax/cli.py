@@ -302,16 +302,16 @@ def serve_config(args: argparse.Namespace):
 
 
 def _generate_canvases(args: argparse.Namespace) -> int:
-    """`mbd-jax generate` on a uniform-noise (DiffusionGemma) model: canvas by canvas
-    (decoding/canvas_loop.py), its settings the model's generation.yaml under the flags."""
+    """`mbd-jax generate` on a uniform-noise (DiffusionGemma) model: the canvas engine
+    (engine/canvas_engine.py), its settings the model's generation.yaml under the flags."""
     from mbd_jax import canvas_model
     from mbd_jax.config import from_dict
     from mbd_jax.config.diffusion_gemma import CanvasDecoding
-    from mbd_jax.decoding import canvas_loop
+    from mbd_jax.engine.canvas_engine import CanvasEngine
 
     if args.chat or args.thinking:
-        raise UserError("--chat: this family has no chat template in mbd-jax yet; give the "
-                        "rendered prompt as --prompt")
+        raise UserError("--chat: give the rendered prompt as --prompt (the service renders "
+                        "chats with the model's template)")
     model = canvas_model.load(args.model)
     flags = {"noise": args.noise, "steps": args.denoising_steps,
              "entropy_bound": args.entropy_bound, "t_min": args.t_min, "t_max": args.t_max,
@@ -327,22 +327,23 @@ def _generate_canvases(args: argparse.Namespace) -> int:
     prompts += [_parse_ids(t) for t in args.prompt_ids or []]
     if not prompts or any(len(p) == 0 for p in prompts):
         raise UserError("give at least one non-empty --prompt TEXT or --prompt-ids 1,2,3")
+    c = model.cfg.canvas_length
+    longest = max(map(len, prompts)) + -(-decoding.max_new_tokens // c) * c
+    engine = CanvasEngine(model.cfg, model.params, batch_size=min(len(prompts), 8),
+                          max_len=min(longest, model.cfg.max_seq_len), tokenizer=model.tokenizer,
+                          defaults=decoding)
     t0 = time.perf_counter()
-    results = canvas_loop.generate(model.params, model.cfg, prompts, [decoding] * len(prompts))
+    results = engine.generate(prompts, decoding)
     seconds = time.perf_counter() - t0  # compiling included
     for r in results:
-        ids = r.token_ids[: next((j + 1 for j, t in enumerate(r.token_ids)
-                                  if t in model.cfg.eos_token_ids), len(r.token_ids))]
-        text = model.tokenizer.decode([t for t in ids if t not in model.cfg.eos_token_ids]) \
-            if model.tokenizer is not None else None
         if args.json:
-            print(json.dumps({"text": text, "token_ids": r.token_ids, "finish_reason":
-                              r.finish_reason, "decoder_passes": r.decoder_passes,
-                              "canvases": r.canvases, "seconds": round(seconds, 3)}))
+            print(json.dumps({"text": r.text, "token_ids": r.token_ids, "eos": r.eos,
+                              "finish_reason": r.finish_reason, "decoder_passes": r.nfe,
+                              "canvases": r.blocks, "seconds": round(seconds, 3)}))
         else:
-            print(text if text is not None else r.token_ids)
-            print(f"[{r.finish_reason}] canvases={r.canvases} decoder_passes={r.decoder_passes} "
-                  f"tpf={r.tokens_per_forward:.2f}", file=sys.stderr)
+            print(r.text if r.text is not None else r.token_ids)
+            print(f"[{r.finish_reason}] canvases={r.blocks} decoder_passes={r.nfe} "
+                  f"tpf={r.tpf:.2f}", file=sys.stderr)
     return 0
 
 

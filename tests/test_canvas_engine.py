@@ -2,7 +2,9 @@
 transformers' own `generate` under the deterministic contract: rows admitted while others are
 mid-canvas, mixed settings, EOS endings, adaptive stops and both commit schedules give the same
 tokens and decoder forwards as transformers run one prompt at a time; prompts sharing a prefix
-share its pool pages; nothing compiles after the warm-up."""
+share its pool pages; nothing compiles after the warm-up. And `mbd-jax serve` serves the family
+through the OpenAI API (a real openai client: chat, streaming one canvas at a time, stop
+strings, n with seeds), refusing what it does not take by field."""
 
 from __future__ import annotations
 
@@ -16,8 +18,11 @@ from mbd_jax.engine.canvas_engine import CanvasEngine
 from mbd_jax.engine.canvas_rows import canvas_output
 from mbd_jax.engine.rows import EngineRequest
 from mbd_jax.errors import UserError
-from tests.test_diffusion_gemma import (CANVAS, CONTRACT, PROMPTS, SETTLING, TEXT, eos_model,  # noqa: F401
-                                        reference, transformers_generate)
+from tests import test_diffusion_gemma as dgt
+from tests.test_diffusion_gemma import (CANVAS, CONTRACT, PROMPTS, SETTLING, TEXT,
+                                        transformers_generate)
+
+reference, eos_model = dgt.reference, dgt.eos_model  # the fixtures: transformers' model, converted
 
 
 def _output(ids: list[int], max_new: int) -> list[int]:
@@ -117,3 +122,60 @@ def test_requests_the_engine_cannot_hold_are_refused_by_field(reference):
         engine.check_prompt([3, 999])
     engine.check_fits(PROMPTS[0], dataclasses.replace(CONTRACT, max_new_tokens=16))
     assert np.all(np.asarray(engine.table()) == engine.pages.num_pages)
+
+
+def test_the_service_serves_a_canvas_model(tmp_path):
+    """`mbd-jax serve --model tiny-dgemma`: completions equal the offline engine's tokens;
+    a stream sends one chunk per canvas; a stop string cuts the text; n seeded choices are
+    seed, seed + 1 (the same again on a repeat); settings and fields the family does not take
+    are 400s naming them."""
+    import httpx
+
+    from mbd_jax import canvas_model
+    from tests.live_server import KEY, Server
+
+    m = canvas_model.load("tiny-dgemma")
+    c = m.cfg.canvas_length
+    offline = CanvasEngine(m.cfg, m.params, batch_size=2, prefill_chunk=16, tokenizer=m.tokenizer)
+    prompt = "The quick brown fox"
+    contract = dataclasses.replace(m.decoding, noise="deterministic", steps=4, max_new_tokens=3 * c)
+    want = offline.generate([m.tokenizer.encode(prompt)], contract)[0]
+    srv = Server(tmp_path, [KEY], sections={"model": "tiny-dgemma"}, max_batch_size=2,
+                 prefill_chunk=16)
+    try:
+        client = srv.openai_client()
+        settings = {"noise": "deterministic", "steps": 4}
+        got = client.completions.create(model="tiny-dgemma", prompt=prompt, max_tokens=3 * c,
+                                        extra_body={"decoding": settings})
+        assert got.choices[0].text == want.text and got.usage.completion_tokens == 3 * c
+        chunks = list(client.completions.create(model="tiny-dgemma", prompt=prompt, stream=True,
+                                                max_tokens=3 * c, extra_body={"decoding": settings}))
+        assert "".join(ch.choices[0].text for ch in chunks) == want.text
+        # one chunk per canvas (the detokenizer may hold back a canvas's text that ends inside
+        # a character), then the finish
+        assert [ch.choices[0].finish_reason for ch in chunks] == [None, None, None, "length"]
+        cut = want.text[len(want.text) // 2:][:3]
+        stopped = client.completions.create(model="tiny-dgemma", prompt=prompt, max_tokens=3 * c,
+                                            stop=[cut], extra_body={"decoding": settings})
+        assert stopped.choices[0].text == want.text[: want.text.index(cut)]
+        assert stopped.choices[0].finish_reason == "stop"
+        chat = [client.chat.completions.create(
+            model="tiny-dgemma", messages=[{"role": "user", "content": "hi"}], n=2, seed=5,
+            max_tokens=c, extra_body={"decoding": {"steps": 3}}) for _ in range(2)]
+        texts = [[ch.message.content for ch in r.choices] for r in chat]
+        assert texts[0] == texts[1] and texts[0][0] != texts[0][1]
+        with httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=60) as http:
+            for body, param in [({"decoding": {"entropy_bound": 0}}, "decoding.entropy_bound"),
+                                ({"decoding": {"t_min": 0.9}}, "decoding.t_max"),
+                                ({"decoding": {"steps": 0}}, "decoding.steps"),
+                                ({"decoding": {"threshold": 0.9}}, "decoding"),
+                                ({"temperature": 0.7}, "temperature"),
+                                ({"logprobs": 2}, "logprobs"),
+                                ({"response_format": {"type": "json_object"}}, "response_format")]:
+                r = http.post("/v1/completions", json={"prompt": prompt, **body})
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            schema = http.get("/openapi.json").json()["components"]["schemas"]["DecodeConfig"]
+            assert {"entropy_bound", "t_min", "t_max", "noise"} <= set(schema["properties"])
+    finally:
+        srv.stop()

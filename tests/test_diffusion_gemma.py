@@ -258,11 +258,12 @@ def test_seeded_sampling_and_no_compiles_after_the_first_call(reference):
 def test_the_cli_converts_a_checkpoint_and_generates_like_transformers(reference, tmp_path):
     """`mbd-jax convert` on the save_pretrained directory writes a model directory (manifest,
     generation.yaml); `mbd-jax generate --noise deterministic` on it answers what transformers
-    does; serve refuses the family by name."""
+    does (its output: to the first EOS); serve without a tokenizer is refused by name."""
     import subprocess
     import sys
 
     from tests.conftest import ROOT
+    from tests.live_server import free_port
 
     model, _, _, path = reference
     out = tmp_path / "dgemma"
@@ -279,9 +280,11 @@ def test_the_cli_converts_a_checkpoint_and_generates_like_transformers(reference
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     want, forwards = transformers_generate(model, prompt, CONTRACT)
-    assert (got["token_ids"], got["decoder_passes"]) == (want, forwards)
-    r = run("serve", "--model", str(out), "--port", "0")
-    assert r.returncode != 0 and "diffusion_gemma" in r.stderr and "Traceback" not in r.stderr
+    eos = next((j for j, t in enumerate(want) if t == TEXT["eos_token_id"]), len(want))
+    assert (got["token_ids"], got["decoder_passes"]) == (want[:eos], forwards)
+    r = run("serve", "--model", str(out), "--port", str(free_port()), "--admin-port",
+            str(free_port()))
+    assert r.returncode != 0 and "needs a tokenizer" in r.stderr and "Traceback" not in r.stderr
     r = run("verify", str(out), "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["ok"], r.stdout
     (out / "tokenizer.json").unlink(missing_ok=True)  # (no tokenizer here: break a checksum)

@@ -52,6 +52,8 @@ class DiffusionGemmaConfig:
     pad_token_id: int = 0
     eos_token_ids: tuple[int, ...] = (1,)
     dtype: Literal["float32", "bfloat16"] = "float32"
+    chat_template: Literal["plain", "qwen", "llada2"] = "plain"  # the built-in one (chat.py), used
+    # when the model directory ships no Jinja template of its own
 
     def validate(self, where: str = "model") -> None:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

@@ -335,8 +335,8 @@ def refuse_other_family(path: pathlib.Path, data: Any) -> None:
     ModelConfig: refused by name, with what does take it."""
     if isinstance(data, dict) and data.get("family") == "diffusion_gemma":
         raise ConfigError(f"{path}: a diffusion_gemma (uniform-noise canvas) model: `mbd-jax "
-                          "generate` decodes it; serve, eval, bench and train do not take this "
-                          "family yet")
+                          "generate` and `mbd-jax serve` run it; eval, bench and train do not "
+                          "take this family yet")
 
 
 def load_model_config(path: str | pathlib.Path) -> ModelConfig:

@@ -14,7 +14,7 @@ import yaml
 
 from mbd_jax.config.decoding import DecodeConfig
 from mbd_jax.config.fields import _check, from_dict, load_yaml
-from mbd_jax.config.model import RuntimeConfig, refuse_other_family
+from mbd_jax.config.model import RuntimeConfig
 from mbd_jax.config.paths import resolve_model_path
 from mbd_jax.errors import ConfigError
 
@@ -212,7 +212,8 @@ def model_generation_settings(model: Any) -> dict[str, dict[str, Any]]:
         return {}
     if config_path is None or config_path.name != "config.yaml":
         return {}
-    refuse_other_family(config_path, load_yaml(config_path))
+    if load_yaml(config_path).get("family") == "diffusion_gemma":
+        return {}  # its generation.yaml holds the canvas section (canvas_model.load reads it)
     path = config_path.parent / GENERATION_FILE
     if not path.is_file():
         return {}

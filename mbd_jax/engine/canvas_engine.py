@@ -18,7 +18,6 @@ reference) decodes for it alone. Shapes are static per engine: nothing compiles 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import time

@@ -22,9 +22,11 @@ from starlette.responses import JSONResponse
 
 from mbd_jax import __version__, chat
 from mbd_jax.config import DecodeConfig, ServeConfig, Structure, from_dict
+from mbd_jax.engine.canvas_engine import CanvasEngine
 from mbd_jax.errors import UserError
 from mbd_jax.stop_strings import StopStrings
-from mbd_jax.serving import keys, protocol, structured
+from mbd_jax.serving import canvas_requests, keys, protocol, structured
+from mbd_jax.serving.errors import HTTPError
 from mbd_jax.serving.tool_use import ToolUse
 from mbd_jax.serving.body import BodyError, parse_object
 from mbd_jax.serving.request import Request
@@ -39,14 +41,6 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # what an X-Request-Id may
 def _shown(text: str, limit: int = 64) -> str:
     """A client-supplied name as error messages quote it: at most `limit` characters."""
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error", headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-        self.headers = headers or {}
 
 
 def engine_error(status: int, message: str) -> HTTPError:
@@ -74,18 +68,22 @@ class Service:
     template: chat.Template  # the model's chat template
     profiling: bool = False
     gate: keys.Gate = dataclasses.field(init=False)  # keys, scopes, rates, token budgets
+    canvas: bool = dataclasses.field(init=False)  # a canvas model (canvas_requests.py)
     openapi: dict = dataclasses.field(init=False)  # /openapi.json, with this server's limits
 
     def __post_init__(self):
         s = self.cfg.server
         self.gate = keys.Gate(self.api_keys, s)
         model = self.scheduler.engine.cfg
+        self.canvas = isinstance(self.scheduler.engine, CanvasEngine)
         self.openapi = protocol.openapi("mbd-jax", __version__, protocol.Limits(
             model=self.model_name, max_new_tokens=self.cfg.generation.max_new_tokens_limit, prompts=s.max_segments,
-            vocab_size=model.vocab_size, mask_token_id=model.mask_token_id,
+            vocab_size=model.vocab_size, mask_token_id=getattr(model, "mask_token_id", -1),
             context=model.max_seq_len, buffer_size=s.buffer_size,
             max_nfe=self.cfg.generation.max_nfe_limit, can_vote=self.scheduler.engine.can_vote,
-            edit_ops=bool(model.edit_op_ids)))
+            edit_ops=bool(getattr(model, "edit_op_ids", ()))))
+        if self.canvas:  # the family's own decoding settings
+            self.openapi["components"]["schemas"]["DecodeConfig"] = canvas_requests.decoding_schema()
 
     # ------------------------------------------------------------ request checks
     def authorize(self, request: HTTPRequest, route: str, admin: bool = False) -> keys.Caller:
@@ -171,6 +169,8 @@ class Service:
         output must have: structured.py, or a forced tool call), one per choice, and
         the field that set the token budget (None: the server default). Choice j of a seeded request uses seed + j;
         an unseeded request gets fresh randomness per choice."""
+        if self.canvas:
+            return canvas_requests.decode_configs(self, req, thinking, count, max_field, tools)
         gen = self.cfg.generation
         base = self.cfg.decode_defaults(thinking)
         limit = gen.thinking_max_new_tokens if thinking else gen.max_new_tokens_limit

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import jax
 import uvicorn
 
-from mbd_jax import chat, compile_cache
+from mbd_jax import canvas_model, chat, compile_cache
 from mbd_jax.build_info import code_version
 from mbd_jax.cache.prefix_store import PrefixStore, model_identity
 from mbd_jax.checkpoint import load_model
@@ -39,6 +39,7 @@ from mbd_jax.config import (MonitoringConfig, ServeConfig, ServerConfig, model_v
                             resolve_model_path)
 from mbd_jax.decoding.voting import record_shape
 from mbd_jax.engine import Engine, mirror
+from mbd_jax.engine.canvas_engine import CanvasEngine
 from mbd_jax.errors import UserError
 from mbd_jax.parallel import multihost
 from mbd_jax.serving import access, keys
@@ -71,8 +72,10 @@ def load_api_keys(path: str | None, given: Sequence[str] = ()) -> list[keys.ApiK
     return found
 
 
-def build_engine(cfg: ServeConfig, mesh: jax.sharding.Mesh | None = None) -> Engine:
+def build_engine(cfg: ServeConfig, mesh: jax.sharding.Mesh | None = None) -> Engine | CanvasEngine:
     """The service's engine (on every process of a multi-process launch)."""
+    if canvas_model.is_canvas_model(cfg.model):
+        return build_canvas_engine(cfg, mesh)
     model = load_model(cfg.model, mesh=mesh, runtime=dataclasses.asdict(cfg.runtime))
     if model.tokenizer is None:
         raise UserError(f"model {cfg.model}: the service needs a tokenizer")
@@ -96,6 +99,21 @@ def build_engine(cfg: ServeConfig, mesh: jax.sharding.Mesh | None = None) -> Eng
                     tokenizer=model.tokenizer, record_steps=steps, record_len=positions,
                     prefix_store=store, mesh=mesh)
     return engine
+
+
+def build_canvas_engine(cfg: ServeConfig, mesh: jax.sharding.Mesh | None) -> CanvasEngine:
+    """The engine of a uniform-noise canvas model (DiffusionGemma), on one device: its mesh
+    rules and multi-process serving are not built."""
+    if jax.process_count() > 1 or (mesh is not None and mesh.size > 1):
+        raise UserError(f"model {cfg.model}: a diffusion_gemma model is served on one device "
+                        "(no mesh or multi-process serving for this family yet)")
+    model = canvas_model.load(cfg.model)
+    if model.tokenizer is None:
+        raise UserError(f"model {cfg.model}: the service needs a tokenizer")
+    s = cfg.server
+    return CanvasEngine(model.cfg, model.params, batch_size=s.max_batch_size,
+                        kv_pool_tokens=s.kv_pool_tokens, prefill_chunk=s.prefill_chunk,
+                        tokenizer=model.tokenizer, defaults=model.decoding)
 
 
 def build_service(cfg: ServeConfig, api_keys: list[keys.ApiKey], profile_dir: str = "profiles",

@@ -1,0 +1,91 @@
+"""A request's decoding settings for a canvas model (DiffusionGemma: engine/canvas_engine.py):
+the model's defaults (its generation.yaml `canvas` section), the server's token budget, then the
+request's `decoding` object (CanvasDecoding's fields), seed and max_tokens. What the family does
+not have is refused by name: OpenAI sampling knobs (its temperature is a schedule:
+decoding.t_min / t_max), log-probabilities, structured output and forced tool calls."""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from typing import Any
+
+import pydantic
+
+from mbd_jax.config.diffusion_gemma import CanvasDecoding
+from mbd_jax.config.fields import from_dict
+from mbd_jax.errors import UserError
+from mbd_jax.serving import protocol, structured
+from mbd_jax.serving.errors import HTTPError
+
+# OpenAI fields that set a mask model's sampler, with what this family takes instead
+NOT_TAKEN = {"temperature": "its temperature is a schedule: set decoding.t_min and decoding.t_max",
+             "top_p": "it samples the full distribution at the scheduled temperature",
+             "top_k": "it samples the full distribution at the scheduled temperature"}
+
+
+def decode_configs(svc, req: Any, thinking: bool, count: int, max_field: str,
+                   tools=None) -> tuple[list[CanvasDecoding], str | None]:
+    """`count` CanvasDecodings (one per choice; choice j of a seeded request uses seed + j)
+    and the field that set the token budget (None: the server default)."""
+    gen, engine = svc.cfg.generation, svc.scheduler.engine
+    for name, why in NOT_TAKEN.items():
+        if getattr(req, name, None) is not None:
+            raise HTTPError(400, f"field '{name}' is not taken by this model ({engine.cfg.name}, "
+                                 f"uniform-noise canvases): {why}", param=name)
+    if protocol.wants_logprobs(req):
+        raise HTTPError(400, "field 'logprobs': this model's tokens are chosen by denoising a "
+                             "canvas, not drawn one at a time; it has no per-token "
+                             "log-probabilities", param="logprobs")
+    _refuse_structure(req, tools)
+    limit = gen.thinking_max_new_tokens if thinking else gen.max_new_tokens_limit
+    base = dataclasses.asdict(engine.defaults) | {"max_new_tokens": min(gen.max_new_tokens, limit)}
+    overrides = dict(req.decoding or {})
+    budget = getattr(req, max_field)
+    if max_field == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
+        max_field, budget = "max_completion_tokens", req.max_completion_tokens
+    if budget is not None:
+        overrides["max_new_tokens"] = budget
+    elif "max_new_tokens" in overrides:
+        max_field = "decoding.max_new_tokens"
+    requested = overrides.get("max_new_tokens")
+    if protocol.is_int(requested) and requested > limit:
+        raise HTTPError(400, f"{max_field} must be at most {limit} on this server, got "
+                             f"{requested}", param=max_field)
+    if req.seed is not None:
+        overrides["seed"] = req.seed % 2**31
+    seeded = "seed" in overrides
+    try:
+        d = from_dict(CanvasDecoding, base | overrides, where="decoding")
+        engine.check_decode(d)
+    except UserError as e:  # "decoding: field 't_max' ..." -> decoding.t_max
+        field = str(e).split("field '", 1)[1].split("'", 1)[0] if "field '" in str(e) else None
+        raise HTTPError(400, str(e), param=f"decoding.{field}" if field else "decoding") from None
+    seeds = ([(d.seed + j) % 2**31 for j in range(count)] if seeded
+             else [secrets.randbelow(2**31) for _ in range(count)])
+    return ([dataclasses.replace(d, seed=s) for s in seeds],
+            max_field if budget is not None or "max_new_tokens" in overrides else None)
+
+
+def _refuse_structure(req: Any, tools) -> None:
+    """Structured output and forced tool calls need a grammar over the output; a canvas is
+    denoised all at once, so no grammar gates it (not built for this family)."""
+    try:
+        asked = structured.requested(req)
+    except structured.Conflict as e:
+        raise HTTPError(400, str(e), param=e.param) from None
+    if tools is not None and tools.forced:
+        asked = None, "tool_choice"
+    if asked is not None:
+        raise HTTPError(400, f"field '{asked[1]}': this model (uniform-noise canvases) has no "
+                             "constrained decoding; send it without", param=asked[1])
+
+
+def decoding_schema() -> dict[str, Any]:
+    """The `decoding` object's schema for this family: CanvasDecoding's fields, no defaults
+    (they are the model's)."""
+    schema = pydantic.TypeAdapter(CanvasDecoding).json_schema()
+    for prop in schema["properties"].values():
+        prop.pop("default", None)
+    schema["additionalProperties"] = False
+    return schema
