@@ -92,6 +92,29 @@ def param_shapes(cfg: DiffusionGemmaConfig) -> dict:
             "layers": layers}
 
 
+# Each parameter's logical axes (parallel/mesh.py RULES: experts on `expert`, heads, the MLP's
+# hidden units and the vocabulary on `tensor`), by its name in param_shapes' tree.
+LOGICAL_AXES = {
+    "embed": ("vocab", "embed"), "q": ("embed", "heads"), "k": ("embed", "kv_heads"),
+    "v": ("embed", "kv_heads"), "o": ("heads", "embed"), "proj": ("embed", None),
+    "expert_scale": ("expert",), "gate": ("embed", "mlp"), "up": ("embed", "mlp"),
+    "down": ("mlp", "embed"),
+}
+EXPERT_AXES = {"gate": ("expert", "embed", "mlp"), "up": ("expert", "embed", "mlp"),
+               "down": ("expert", "mlp", "embed")}
+CACHE_AXES = ("pages", "page", "kv_heads", "head_dim")  # a layer's k, v pages
+
+
+def logical_axes(cfg: DiffusionGemmaConfig) -> dict:
+    """param_shapes' tree with each leaf's logical axis names (None: a vector, replicated)."""
+    def axes(path, shape):
+        names = [str(getattr(k, "key", k)) for k in path]
+        table = EXPERT_AXES if "experts" in names else LOGICAL_AXES
+        return table.get(names[-1], (None,) * len(shape.shape))
+
+    return jax.tree_util.tree_map_with_path(axes, param_shapes(cfg))
+
+
 UNIT_LEAVES = ("norm", "scale", "scalar")  # leaf names ending so start at one in a random init
 
 

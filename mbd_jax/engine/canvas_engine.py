@@ -28,9 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mbd_jax import canvas_model
 from mbd_jax.config.diffusion_gemma import STABILITY_LIMIT, CanvasDecoding, DiffusionGemmaConfig
-from mbd_jax.decoding import canvas_loop
 from mbd_jax.decoding.canvas_loop import SAMPLER_ROWS, CanvasParams, start_canvas
+from mbd_jax.engine import canvas_programs as programs
+from mbd_jax.engine.canvas_programs import Layout
 from mbd_jax.engine.canvas_rows import CanvasRow
 from mbd_jax.engine.pages import PagePool, page_keys, page_table
 from mbd_jax.engine.results import GenerationResult
@@ -38,6 +40,7 @@ from mbd_jax.engine.rows import EngineRequest, RowEvent, RowTable, StepOutcome
 from mbd_jax.engine.stats import EngineStats
 from mbd_jax.errors import UserError
 from mbd_jax.model import diffusion_gemma as dg
+from mbd_jax.parallel import mesh as meshlib
 
 
 class CanvasEngine:
@@ -49,12 +52,21 @@ class CanvasEngine:
     def __init__(self, cfg: DiffusionGemmaConfig, params: Any, *, batch_size: int = 4,
                  page_size: int = 64, max_len: int | None = None, kv_pool_tokens: int | None = None,
                  prefill_chunk: int = 64, steps_per_call: int = 64, tokenizer=None,
-                 defaults: CanvasDecoding = CanvasDecoding(), sampler_rows: int = SAMPLER_ROWS):
+                 defaults: CanvasDecoding = CanvasDecoding(), sampler_rows: int = SAMPLER_ROWS,
+                 mesh: jax.sharding.Mesh | None = None):
         """`max_len`: positions a row may hold (default the model's); `kv_pool_tokens`: the
         pool's size (default every row a full max_len); `defaults`: the settings a request
-        starts from (the model's generation.yaml)."""
-        self.cfg, self.params, self.tokenizer, self.defaults = cfg, params, tokenizer, defaults
-        self.batch_size, self.prefill_chunk, self.steps_per_call = batch_size, prefill_chunk, steps_per_call
+        starts from (the model's generation.yaml); `mesh`: the devices (default one): the
+        parameters and the pool split by canvas_model's logical axes, the canvas state and
+        every host input replicated; each program pins its outputs' shardings, so the buffers
+        it donates keep their layout and nothing recompiles."""
+        self.cfg, self.tokenizer, self.defaults = cfg, tokenizer, defaults
+        self.mesh = mesh = mesh or meshlib.single_device_mesh()
+        self.params = jax.device_put(params, meshlib.tree_shardings(
+            canvas_model.logical_axes(cfg), params, mesh))
+        self._replicated = meshlib.replicated(mesh)
+        self.batch_size, self.prefill_chunk = batch_size, prefill_chunk
+        self.steps_per_call = steps_per_call
         self.prefill_ready = prefill_chunk
         self.sampler_rows = sampler_rows
         per_row = -(-(max_len or cfg.max_seq_len) // page_size)
@@ -160,8 +172,8 @@ class CanvasEngine:
         for i in ending:
             row = self.rows[i]
             if row.ending == "stop":
-                out.events.append(RowEvent(row.request, [], None, finished=True, result=functools.partial(
-                    row.result, self.tokenizer, "stop")))
+                result = functools.partial(row.result, self.tokenizer, "stop")
+                out.events.append(RowEvent(row.request, [], None, finished=True, result=result))
         self.release(ending)
 
     def _admit(self, candidates: Sequence[EngineRequest], out: StepOutcome) -> None:
@@ -191,8 +203,8 @@ class CanvasEngine:
             chunk = np.full((1, t), self.cfg.pad_token_id, np.int32)
             piece = prompt[s: s + t]
             chunk[0, : len(piece)] = piece
-            self._layers = _encode(self.params, self.cfg, self._layers, table, chunk,
-                                   np.array([s], np.int32), np.ones(1, bool))
+            self._layers = programs.encode(self.params, self.cfg, self._layout, self._layers,
+                                           table, chunk, np.array([s], np.int32), np.ones(1, bool))
             row.forwards += 1
 
     def _decode(self, out: StepOutcome, max_steps: int) -> None:
@@ -209,12 +221,12 @@ class CanvasEngine:
         table = self.table()
         t0 = time.perf_counter()
         if apart.any():
-            self._layers = _encode(self.params, self.cfg, self._layers, table, commit, cached - c,
-                                   apart)
+            self._layers = programs.encode(self.params, self.cfg, self._layout, self._layers,
+                                           table, commit, cached - c, apart)
         idle = np.array([i not in busy for i in range(b)])
-        self._state, self._layers = _round(
-            self.params, self.cfg, self._params_device(), self._state, self._layers, table,
-            cached, index, fresh, idle, commit if fused.any() else None, fused,
+        self._state, self._layers = programs.denoise_round(
+            self.params, self.cfg, self._layout, self._params_device(), self._state,
+            self._layers, table, cached, index, fresh, idle, commit if fused.any() else None, fused,
             np.int32(max_steps), self.sampler_rows)
         done, argmax, steps = jax.device_get((self._state.done, self._state.argmax,
                                               self._state.steps_done))
@@ -248,7 +260,7 @@ class CanvasEngine:
 
     def _params_device(self) -> CanvasParams:
         if self._params is None:
-            self._params = CanvasParams.of(self._decodings)
+            self._params = jax.device_put(CanvasParams.of(self._decodings), self._replicated)
         return self._params
 
     def release(self, rows: Sequence[int]) -> None:
@@ -261,12 +273,17 @@ class CanvasEngine:
         """Fresh device buffers (pool, canvas state) and page accounting; every row free."""
         b = self.batch_size
         self.pages.clear()
-        self._layers = dg.allocate_pool(self.cfg, self.pages.num_pages, self.pages.page)
+        layers = dg.allocate_pool(self.cfg, self.pages.num_pages, self.pages.page)
+        self._layout = Layout(tuple((s, s) for s in meshlib.tree_shardings(
+            [canvas_model.CACHE_AXES] * len(layers), [x["k"] for x in layers], self.mesh)),
+            self._replicated)
+        self._layers = self._layout.pin_layers(layers)
         self._decodings = [self.defaults] * b
         self._params = self._table = None
         st = start_canvas(self.cfg, self._params_device(), jnp.zeros(b, jnp.int32),
                           jnp.ones(b, bool), STABILITY_LIMIT)
-        self._state = st.replace(argmax=jnp.copy(st.argmax))  # (one buffer is donated once)
+        self._state = jax.device_put(st.replace(argmax=jnp.copy(st.argmax)),  # (each buffer
+                                     self._replicated)  # is donated once)
 
     # ---------------------------------------------------------------- service protocol
     def warmup(self, progress: Callable[[str], None] | None = None, buckets=None,
@@ -277,17 +294,18 @@ class CanvasEngine:
         b, c = self.batch_size, self.cfg.canvas_length
         no, zeros = np.zeros(b, bool), np.zeros(b, np.int32)
         say(f"compiling the prefill of {self.prefill_chunk} tokens")
-        self._layers = _encode(self.params, self.cfg, self._layers, self.table()[:1],
-                               np.zeros((1, self.prefill_chunk), np.int32), zeros[:1], no[:1])
+        chunk = np.zeros((1, self.prefill_chunk), np.int32)
+        self._layers = programs.encode(self.params, self.cfg, self._layout, self._layers,
+                                       self.table()[:1], chunk, zeros[:1], no[:1])
         say("compiling the commit")
-        self._layers = _encode(self.params, self.cfg, self._layers, self.table(),
-                               np.zeros((b, c), np.int32), zeros, no)
+        self._layers = programs.encode(self.params, self.cfg, self._layout, self._layers,
+                                       self.table(), np.zeros((b, c), np.int32), zeros, no)
         for commit in (None, np.zeros((b, c), np.int32)):
             say("compiling the denoising round" + (" with commits" if commit is not None else ""))
-            self._state, self._layers = _round(
-                self.params, self.cfg, self._params_device(), self._state, self._layers,
-                self.table(), zeros, zeros, no, np.ones(b, bool), commit, no, np.int32(1),
-                self.sampler_rows)
+            self._state, self._layers = programs.denoise_round(
+                self.params, self.cfg, self._layout, self._params_device(), self._state,
+                self._layers, self.table(), zeros, zeros, no, np.ones(b, bool), commit, no,
+                np.int32(1), self.sampler_rows)
         jax.block_until_ready(self._layers)
 
     def stats(self) -> EngineStats:
@@ -312,18 +330,3 @@ class CanvasEngine:
 
     def close(self, compile_wait_s: float = 30.0) -> bool:
         return True
-
-
-@functools.partial(jax.jit, static_argnums=1, donate_argnums=2)
-def _encode(params, cfg, layers, table, tokens, start, write):
-    """Encoder pass of tokens [B, T] at start [B] into the pages of the rows `write` selects."""
-    return dg.forward(params, cfg, tokens, start, dg.PagedCache(layers, table), write=write)[0].layers
-
-
-@functools.partial(jax.jit, static_argnums=(1, 13), donate_argnums=(3, 4))
-def _round(params, cfg, p, st, layers, table, cached_len, index, fresh, idle, commit,
-           commit_rows, max_steps, sampler_rows):
-    st, cache = canvas_loop.engine_round(params, cfg, p, st, dg.PagedCache(layers, table),
-                                         cached_len, index, fresh, idle, commit, commit_rows,
-                                         max_steps, sampler_rows)
-    return st, cache.layers

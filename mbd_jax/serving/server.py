@@ -102,18 +102,18 @@ def build_engine(cfg: ServeConfig, mesh: jax.sharding.Mesh | None = None) -> Eng
 
 
 def build_canvas_engine(cfg: ServeConfig, mesh: jax.sharding.Mesh | None) -> CanvasEngine:
-    """The engine of a uniform-noise canvas model (DiffusionGemma), on one device: its mesh
-    rules and multi-process serving are not built."""
-    if jax.process_count() > 1 or (mesh is not None and mesh.size > 1):
-        raise UserError(f"model {cfg.model}: a diffusion_gemma model is served on one device "
-                        "(no mesh or multi-process serving for this family yet)")
+    """The engine of a uniform-noise canvas model (DiffusionGemma) on one process's devices
+    (`mesh`; multi-process serving is not built for this family)."""
+    if jax.process_count() > 1:
+        raise UserError(f"model {cfg.model}: a diffusion_gemma model is served by one process "
+                        "(multi-process serving is not built for this family yet)")
     model = canvas_model.load(cfg.model)
     if model.tokenizer is None:
         raise UserError(f"model {cfg.model}: the service needs a tokenizer")
     s = cfg.server
     return CanvasEngine(model.cfg, model.params, batch_size=s.max_batch_size,
                         kv_pool_tokens=s.kv_pool_tokens, prefill_chunk=s.prefill_chunk,
-                        tokenizer=model.tokenizer, defaults=model.decoding)
+                        tokenizer=model.tokenizer, defaults=model.decoding, mesh=mesh)
 
 
 def build_service(cfg: ServeConfig, api_keys: list[keys.ApiKey], profile_dir: str = "profiles",
