@@ -648,12 +648,32 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     if not 0 < args.budget <= 1:
         raise UserError(f"--budget {args.budget}: expected a share of HBM in (0, 1]")
+    from mbd_jax import canvas_model
+
+    if canvas_model.is_canvas_model(args.model):
+        return _plan_canvases(args)
     cfg = load_model(args.model, with_weights=False, runtime=_runtime(args)).cfg
     shape = deviceless.EngineShape(args.batch, args.buffer_size, args.prefill_chunk,
                                    args.kv_pool_tokens)
     report = plan.plan(cfg, args.target, args.hosts, args.devices_per_host, args.mesh, shape,
                        context=args.context, budget=args.budget, say=_progress)
     print(json.dumps(report) if args.json else plan.table(report))
+    return 0 if report["fits"] else 1
+
+
+def _plan_canvases(args: argparse.Namespace) -> int:
+    """`mbd-jax plan` on a canvas model (canvas_plan.py): --context is the positions a row
+    holds (default 32768), --denoising-steps the passes per canvas (default 16)."""
+    from mbd_jax import canvas_model, canvas_plan
+
+    if args.hosts != 1:
+        raise UserError("--hosts: a canvas model is planned on one host's devices")
+    cfg = canvas_model.load(args.model, with_weights=False).cfg
+    shape = canvas_plan.CanvasShape(args.batch, args.context or 32768, min(args.buffer_size, 2),
+                                    args.prefill_chunk)
+    report = canvas_plan.plan(cfg, args.target, args.devices_per_host, args.mesh, shape,
+                              steps=args.denoising_steps or 16, budget=args.budget, say=_progress)
+    print(json.dumps(report) if args.json else canvas_plan.table(report))
     return 0 if report["fits"] else 1
 
 
@@ -682,6 +702,9 @@ def _plan_command(sub) -> None:
     p.add_argument("--context", type=int_at_least(1),
                    help="visible positions a decode step reads (default: max_seq_len)")
     p.add_argument("--budget", type=float, default=0.9, help="share of HBM a program may use")
+    p.add_argument("--denoising-steps", type=int_at_least(1),
+                   help="a canvas model's decoder passes per canvas in the modelled time "
+                        "(default 16)")
     p.add_argument("--json", action="store_true", help="one JSON object")
     _add_runtime_flags(p)
     p.set_defaults(func=cmd_plan)

@@ -60,7 +60,7 @@ def target_facts(text: str) -> Target:
                   float(field("memory_bandwidth")), peaks)
 
 
-def _memory(program: deviceless.Program) -> dict[str, int]:
+def program_memory(program: deviceless.Program) -> dict[str, int]:
     m = program.compiled.memory_analysis()
     total = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
              + m.temp_size_in_bytes)
@@ -155,7 +155,7 @@ def plan(cfg: ModelConfig, target: str, hosts: int, per_host: int, mesh_spec: st
         "param_bytes_per_device": layout.param_bytes, "kv_bytes_per_device": layout.kv_bytes,
         "programs": {}}
     for name, program in programs.items():
-        memory = _memory(program)
+        memory = program_memory(program)
         report["programs"][name] = {**memory, "hbm_share": memory["total_bytes"] / facts.hbm_bytes,
                                     "collectives": _collectives(program),
                                     "gemm_operands": gemm_operands(program.compiled.as_text())}

@@ -44,11 +44,11 @@ def _engine(cfg, params, **kw) -> CanvasEngine:
     return e
 
 
-@pytest.mark.parametrize("case", ["mixed", "eos"])
+@pytest.mark.parametrize("case", ["mixed", "eos", "one-row"])
 def test_the_engine_decodes_like_transformers(reference, eos_model, case):
     """Five requests on two rows (the later ones admitted as rows free up, beside a row that is
-    mid-generation), each its own settings and commit schedule: transformers' tokens and
-    decoder forwards for each, one prompt at a time."""
+    mid-generation; "one-row": one at a time on a single row), each its own settings and commit
+    schedule: transformers' tokens and decoder forwards for each, one prompt at a time."""
     model, cfg, params = (eos_model if case == "eos" else reference)[:3]
     prompts = [*PROMPTS, PROMPTS[1][:4], PROMPTS[2] + PROMPTS[0]]
     decodings = [
@@ -58,7 +58,7 @@ def test_the_engine_decodes_like_transformers(reference, eos_model, case):
         dataclasses.replace(SETTLING, max_new_tokens=8),  # one canvas
         dataclasses.replace(CONTRACT, steps=3, max_new_tokens=40),
     ]
-    engine = _engine(cfg, params)
+    engine = _engine(cfg, params, batch_size=1 if case == "one-row" else 2)
     before = compile_stats.compiles()
     got = engine.generate(prompts, decodings)
     assert compile_stats.compiles() == before  # nothing compiles after the warm-up

@@ -136,3 +136,26 @@ def test_llada2_mini_compiles_for_two_h100s():
     assert "H100" in report["target"] and report["fits"]
     cfg = load_model_config(MODEL_PRESET_DIR / "llada2-mini.yaml")
     assert 2 * sizes.num_params(cfg) / 2 < report["param_bytes_per_device"] < 2 * sizes.num_params(cfg)
+
+
+def test_plan_compiles_a_canvas_model_for_eight_h200s():
+    """tiny-dgemma's canvas engine compiled for 8 H200s (experts on 2, heads on 4): the
+    parameters and the pool are what the shapes give split by the mesh, and a canvas is its
+    passes plus the fused commit."""
+    from mbd_jax import canvas_model
+
+    r = plan("--model", "tiny-dgemma", "--devices-per-host", "8", "--mesh", "expert=2,tensor=4",
+             "--batch", "2", "--context", "256", "--denoising-steps", "8", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout)
+    cfg = canvas_model.load("tiny-dgemma", with_weights=False).cfg
+    assert set(report["programs"]) == {"round", "commit", "prefill"} and report["fits"]
+    # the pool: every layer's k and v at every position of both rows, KV heads split where
+    # tensor (4) divides them (none here: 2 and 1 KV heads), float32
+    kv = sum(2 * 2 * 256 * k * d * 4 for k, d in map(cfg.head, range(cfg.num_layers)))
+    assert report["kv_bytes_per_device"] == kv
+    total = sum(int(np.prod(x.shape)) * 4
+                for x in __import__("jax").tree.leaves(canvas_model.param_shapes(cfg)))
+    assert report["param_bytes_per_device"] < total / 2  # experts and heads split
+    canvas, step = report["canvas"], report["decoder_pass"]
+    assert canvas["ms"] > 8 * step["ms"] and canvas["steps"] == 8

@@ -205,7 +205,6 @@ class CanvasEngine:
             chunk[0, : len(piece)] = piece
             self._layers = programs.encode(self.params, self.cfg, self._layout, self._layers,
                                            table, chunk, np.array([s], np.int32), np.ones(1, bool))
-            row.forwards += 1
 
     def _decode(self, out: StepOutcome, max_steps: int) -> None:
         b, c = self.batch_size, self.cfg.canvas_length
@@ -235,7 +234,6 @@ class CanvasEngine:
         finished = []
         for i, row in busy.items():
             row.commits_apart += bool(apart[i])
-            row.forwards += bool(apart[i])
             row.fresh, row.commit = False, None
             if done[i]:
                 event = row.canvas_done(argmax[i], int(steps[i]), self.cfg)

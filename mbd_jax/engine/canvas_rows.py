@@ -35,7 +35,6 @@ class CanvasRow:
     tokens: list[int] = dataclasses.field(default_factory=list)  # output so far
     eos: bool = False  # the output ended with an EOS (not in tokens)
     passes: int = 0  # decoder passes over its finished canvases
-    forwards: int = 0  # prefill chunks, decoder passes, commits in a forward of their own
     commits_apart: int = 0  # commits that took a forward of their own (buffer_size 1)
     ending: str | None = None  # "cancel" or "stop" (engine.end)
     started: float = dataclasses.field(default_factory=time.monotonic)
@@ -48,7 +47,6 @@ class CanvasRow:
         new, self.eos, has_eos = canvas_output(argmax.tolist(), room, cfg.eos_token_ids)
         self.tokens += new
         self.passes += steps
-        self.forwards += steps
         finished = has_eos or self.index + 1 >= self.canvases
         if not finished:
             self.commit, self.fresh = argmax, True

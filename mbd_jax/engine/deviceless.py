@@ -91,13 +91,13 @@ class Program:
     input_bytes: int  # per device, from the inputs' shapes and shardings (what XLA must hold)
 
 
-def _per_device_bytes(args: Any) -> int:
+def per_device_bytes(args: Any) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
                for x in jax.tree.leaves(args))
 
 
 def _compile(jitted: Any, *args: Any) -> Program:
-    return Program(jitted.lower(*args).compile(), _per_device_bytes(args))
+    return Program(jitted.lower(*args).compile(), per_device_bytes(args))
 
 
 def _abstract(tree: Any, shardings: Any) -> Any:
@@ -131,8 +131,8 @@ def _abstract_kv(cfg: ModelConfig, mesh: jax.sharding.Mesh, batch: int, capacity
 def engine_layout(cfg: ModelConfig, mesh: jax.sharding.Mesh, shape: EngineShape) -> EngineLayout:
     cfg = dataclasses.replace(cfg, platform=meshlib.platform(mesh))
     _, capacity, pages = _sizes(cfg, shape)
-    return EngineLayout(capacity, pages, _per_device_bytes(sharding.abstract_params(cfg, mesh)),
-                        _per_device_bytes(_abstract_kv(cfg, mesh, shape.batch_size, capacity,
+    return EngineLayout(capacity, pages, per_device_bytes(sharding.abstract_params(cfg, mesh)),
+                        per_device_bytes(_abstract_kv(cfg, mesh, shape.batch_size, capacity,
                                                        pages)))
 
 
