@@ -6,8 +6,8 @@ time of one canvas: `steps` decoder passes and its commit at the given batch and
 A pass's time is the larger of its useful FLOPs over the devices' peak matrix rate and the
 bytes it must read over HBM bandwidth (plan.py's model): the weights a pass touches (every
 dense one; of the routed experts the expected share its tokens hit), the KV the program reads
-(a row's whole page span: the engine gathers it, every layer), the LM head and the
-self-conditioning over the whole vocabulary at every canvas position. Collectives, kernel
+(a global layer a row's whole page span, a sliding layer the pages of its window), the LM head
+and the self-conditioning over the whole vocabulary at every canvas position. Collectives, kernel
 efficiency and the host are left out.
 """
 
@@ -92,6 +92,14 @@ def _param_counts(cfg: DiffusionGemmaConfig) -> tuple[int, int, int]:
     return total, experts, math.prod(shapes["embed"].shape)
 
 
+def _keys_read(cfg: DiffusionGemmaConfig, layer: int, context: int, tokens: int) -> int:
+    """Cached positions a layer's attention reads (model/diffusion_gemma._span): a global
+    layer the row's whole span, a sliding one the pages of its window when fewer."""
+    window = (-(-(cfg.sliding_window - 1 + tokens) // PAGE) + 1) * PAGE
+    sliding = cfg.layer_types[layer] == "sliding_attention"
+    return min(window, context) if sliding else context
+
+
 def pass_cost(cfg: DiffusionGemmaConfig, target: mask_plan.Target, n_devices: int,
               param_bytes: int, kv_bytes: int, batch: int, tokens: int, context: int
               ) -> dict[str, Any]:
@@ -101,13 +109,16 @@ def pass_cost(cfg: DiffusionGemmaConfig, target: mask_plan.Target, n_devices: in
     k, e = cfg.num_experts_per_tok, cfg.num_experts
     active = total - experts - embed + experts * k / e  # per token, the head counted apart
     d, v, n = cfg.hidden_size, cfg.vocab_size, batch * tokens
-    attention = sum(4 * n * (context + tokens) * cfg.num_heads * cfg.head(i)[1]
-                    for i in range(cfg.num_layers))
+    attention = sum(4 * n * (_keys_read(cfg, i, context, tokens) + tokens) * cfg.num_heads
+                    * cfg.head(i)[1] for i in range(cfg.num_layers))
     flops = 2 * active * n + attention + 2 * 2 * v * d * batch * cfg.canvas_length  # head, SC
     peak = target.peak_flops.get(mask_plan.BF16 if cfg.dtype == "bfloat16" else mask_plan.F32, 0)
     compute_s = flops / (n_devices * peak) if peak else float("inf")
     hit = 1 - (1 - k / e) ** n
-    read = param_bytes * ((total - experts) / total + experts / total * hit) + kv_bytes
+    kv_read = kv_bytes * sum(_keys_read(cfg, i, context, tokens) * math.prod(cfg.head(i))
+                             for i in range(cfg.num_layers)) / sum(
+        context * math.prod(cfg.head(i)) for i in range(cfg.num_layers))
+    read = param_bytes * ((total - experts) / total + experts / total * hit) + kv_read
     hbm_s = read / target.hbm_bytes_per_s
     return {"flops": flops, "bytes_read_per_device": int(read), "compute_ms": compute_s * 1e3,
             "hbm_ms": hbm_s * 1e3, "ms": max(compute_s, hbm_s) * 1e3,

@@ -82,10 +82,30 @@ def allocate_cache(cfg: DiffusionGemmaConfig, batch: int, capacity: int) -> Page
 
 
 def _read(buf: jax.Array, table: jax.Array) -> jax.Array:
-    """buf [P, page, K, Dh] -> [B, n * page, K, Dh]: each row's pages in table order."""
+    """buf [P, page, K, Dh] -> [B, n * page, K, Dh]: each row's pages in `table` [B, n] order."""
     pages = buf.at[table].get(mode="fill", fill_value=0)  # [B, n, page, K, Dh]
     b, n, page = pages.shape[:3]
     return pages.reshape(b, n * page, *buf.shape[2:])
+
+
+def _span(cfg: DiffusionGemmaConfig, layer: int, cache: "PagedCache", start: jax.Array, t: int
+          ) -> tuple[jax.Array, jax.Array]:
+    """(the table [B, n'] of the pages a layer reads, their positions [B, n' * page]). A global
+    layer reads a row's whole table; a sliding layer only the pages holding its window of this
+    forward's tokens, positions [start - window + 1, start + t) (the encoder tokens' own keys
+    and the canvas's cached ones), when that is fewer pages. Positions past the table map no
+    page (read as zeros) and lie past every query: masked."""
+    page, n = cache.page, cache.table.shape[1]
+    wanted = -(-(cfg.sliding_window - 1 + t) // page) + 1
+    if cfg.layer_types[layer] != "sliding_attention" or wanted >= n:
+        return cache.table, jnp.arange(n * page, dtype=jnp.int32)[None]
+    first = jnp.maximum(start - (cfg.sliding_window - 1), 0) // page  # [B]
+    logical = first[:, None] + jnp.arange(wanted, dtype=jnp.int32)  # [B, n']
+    table = jnp.where(logical < n, jnp.take_along_axis(
+        cache.table, jnp.minimum(logical, n - 1), axis=1), cache.layers[0]["k"].shape[0])
+    positions = (logical[:, :, None] * page + jnp.arange(page, dtype=jnp.int32)).reshape(
+        logical.shape[0], -1)
+    return table, positions
 
 
 def _write(buf: jax.Array, table: jax.Array, positions: jax.Array, new: jax.Array,
@@ -179,19 +199,21 @@ def _ffn(w: Params, cfg: DiffusionGemmaConfig, r: jax.Array) -> jax.Array:
 
 def _layer(w: Params, cfg: DiffusionGemmaConfig, layer: int, r: jax.Array, positions: jax.Array,
            entry: dict[str, jax.Array], table: jax.Array, written: int, write: jax.Array,
-           visible: jax.Array, encoder: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+           span: tuple[jax.Array, jax.Array], encoder: jax.Array
+           ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One layer over r [B, T + C, D]: its first `written` (T) tokens are encoder tokens whose
     K/V go into the layer's pages (rows `write` [B]), the rest a canvas whose K/V only the
-    canvas reads. visible: [B, T + C, S + C] over the row's S cached positions then the canvas;
-    encoder [T + C] bool picks each token's residual scale. Returns (r, the entry)."""
+    canvas reads. span: (the pages it reads [B, n'], their positions [B, S]: _span); encoder
+    [T + C] bool picks each token's residual scale. Returns (r, the entry)."""
     q, k, v = _qkv(w["attn"], cfg, layer, _norm(r, w["input_norm"], cfg), positions)
     if written:
         at = positions[:, :written]
         entry = {"k": _write(entry["k"], table, at, k[:, :written], write),
                  "v": _write(entry["v"], table, at, v[:, :written], write)}
-    dtype = entry["k"].dtype
-    keys = jnp.concatenate([_read(entry["k"], table), k[:, written:].astype(dtype)], axis=1)
-    values = jnp.concatenate([_read(entry["v"], table), v[:, written:].astype(dtype)], axis=1)
+    dtype, (read, k_pos) = entry["k"].dtype, span
+    keys = jnp.concatenate([_read(entry["k"], read), k[:, written:].astype(dtype)], axis=1)
+    values = jnp.concatenate([_read(entry["v"], read), v[:, written:].astype(dtype)], axis=1)
+    visible = _visible(cfg, layer, positions, k_pos, written, r.shape[1] - written)
     attn = _attend(q, keys, values, visible) @ w["attn"]["o"]
     r = r + _norm(attn, w["post_attn_norm"], cfg)
     r = r + _ffn(w, cfg, r)
@@ -199,14 +221,14 @@ def _layer(w: Params, cfg: DiffusionGemmaConfig, layer: int, r: jax.Array, posit
     return r * scale.astype(r.dtype), entry
 
 
-def _visible(cfg: DiffusionGemmaConfig, layer: int, positions: jax.Array, s: int, t: int,
-             c: int) -> jax.Array:
+def _visible(cfg: DiffusionGemmaConfig, layer: int, positions: jax.Array, k_pos: jax.Array,
+             t: int, c: int) -> jax.Array:
     """[B, T + C, S + C] which key each token reads: an encoder token (the first T) the cached
     positions up to its own (a sliding layer: its last sliding_window), never the canvas; a
     canvas token every cached position before the canvas (a sliding layer: the last
     sliding_window - 1) and the whole canvas."""
     b = positions.shape[0]
-    k_pos = jnp.arange(s, dtype=jnp.int32)[None, None]  # [1, 1, S]
+    k_pos = k_pos[:, None]  # [B or 1, 1, S]: the cached keys' positions
     q_pos = positions[..., None]  # [B, T + C, 1]
     canvas_start = positions[:, t:t + 1, None] if c else q_pos  # [B, 1, 1]
     sliding = cfg.layer_types[layer] == "sliding_attention"
@@ -245,7 +267,7 @@ def forward(params: Params, cfg: DiffusionGemmaConfig, commit: jax.Array | None,
     layers = []
     for i, w in enumerate(params["layers"]):
         r, entry = _layer(w, cfg, i, r, positions, cache.layers[i], cache.table, t, write,
-                          _visible(cfg, i, positions, cache.span, t, c), encoder)
+                          _span(cfg, i, cache, start, t), encoder)
         layers.append(entry)
     new_cache = cache.replace(layers=layers)
     if not c:
