@@ -175,6 +175,10 @@ def test_the_service_serves_a_canvas_model(tmp_path):
                                 ({"response_format": {"type": "json_object"}}, "response_format")]:
                 r = http.post("/v1/completions", json={"prompt": prompt, **body})
                 assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            r = http.post("/generate", json={"segments": [prompt, prompt], "max_new_tokens": 3 * c,
+                                             "decoding": settings})
+            assert r.status_code == 200 and r.json()["output"] == [want.text] * 2, r.text
+            assert r.json()["segments"][0]["nfe"] == want.nfe
             schema = http.get("/openapi.json").json()["components"]["schemas"]["DecodeConfig"]
             assert {"entropy_bound", "t_min", "t_max", "noise"} <= set(schema["properties"])
     finally:
