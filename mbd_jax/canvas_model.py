@@ -22,9 +22,11 @@ import jax
 import jax.numpy as jnp
 import yaml
 
-from mbd_jax.config import GENERATION_FILE, config_dict, from_dict, load_yaml, resolve_model_path
+from mbd_jax.config import (GENERATION_FILE, Quantization, config_dict, from_dict, load_yaml,
+                            resolve_model_path)
 from mbd_jax.config.diffusion_gemma import CanvasDecoding, DiffusionGemmaConfig
 from mbd_jax.errors import ConfigError
+from mbd_jax.model import quantize
 from mbd_jax.tokenizer import Tokenizer, load_tokenizer
 
 FAMILY = "diffusion_gemma"
@@ -67,8 +69,57 @@ def save(dst: pathlib.Path, cfg: DiffusionGemmaConfig, params: Any, decoding: Ca
     ckpt.wait_until_finished()
 
 
-def param_shapes(cfg: DiffusionGemmaConfig) -> dict:
-    """The parameter tree's shapes and dtypes (jax.ShapeDtypeStruct leaves)."""
+# The weight matrices an 8-bit model stores quantized (model/quantize.py: values in the scheme's
+# dtype, a float32 `name_scale` per output channel); the embedding (also the LM head and
+# self-conditioning's table), norms, router and scalars stay in `dtype`.
+QUANTIZED = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def param_shapes(cfg: DiffusionGemmaConfig, quantization: Quantization = "none") -> dict:
+    """The parameter tree's shapes and dtypes (jax.ShapeDtypeStruct leaves); with an 8-bit
+    `quantization`, each QUANTIZED weight in its dtype beside its scale (contracted axis 1)."""
+    tree = _float_shapes(cfg)
+    return tree if quantization == "none" else _quantized_shapes(tree, quantization)
+
+
+def _quantized_shapes(tree: dict, scheme: str) -> dict:
+    out = {}
+    for name, leaf in tree.items():
+        if isinstance(leaf, (dict, list)):
+            out[name] = ([_quantized_shapes(x, scheme) for x in leaf] if isinstance(leaf, list)
+                         else _quantized_shapes(leaf, scheme))
+        elif name in QUANTIZED and len(leaf.shape) >= 2:
+            contract = (len(leaf.shape) - 2,)  # the input axis: [in, out] or [E, in, out]
+            out[name] = jax.ShapeDtypeStruct(leaf.shape, quantize.SCHEMES[scheme].dtype)
+            out[name + quantize.SCALE_SUFFIX] = jax.ShapeDtypeStruct(
+                quantize.scale_shape(leaf.shape, contract), jnp.float32)
+        else:
+            out[name] = leaf
+    return out
+
+
+def quantized(params: dict, cfg: DiffusionGemmaConfig, scheme: str) -> dict:
+    """A float parameter tree with its QUANTIZED weights in 8 bits (absmax per output
+    channel, model/quantize.py) beside their scales."""
+    return _quantize_like(params, param_shapes(cfg, scheme), scheme)
+
+
+def _quantize_like(params: Any, target: Any, scheme: str) -> Any:
+    if isinstance(target, list):
+        return [_quantize_like(p, t, scheme) for p, t in zip(params, target)]
+    out = {}
+    for name, leaf in params.items():
+        if isinstance(leaf, (dict, list)):
+            out[name] = _quantize_like(leaf, target[name], scheme)
+        elif name + quantize.SCALE_SUFFIX in target and name in QUANTIZED:
+            out[name], out[name + quantize.SCALE_SUFFIX] = quantize.quantize(
+                leaf, scheme, (leaf.ndim - 2,))
+        else:
+            out[name] = leaf
+    return out
+
+
+def _float_shapes(cfg: DiffusionGemmaConfig) -> dict:
     dt = jnp.dtype(cfg.dtype)
     s = lambda *shape: jax.ShapeDtypeStruct(shape, dt)  # noqa: E731
     d, i, e, f = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.moe_intermediate_size
@@ -105,14 +156,19 @@ EXPERT_AXES = {"gate": ("expert", "embed", "mlp"), "up": ("expert", "embed", "ml
 CACHE_AXES = ("pages", "page", "kv_heads", "head_dim")  # a layer's k, v pages
 
 
-def logical_axes(cfg: DiffusionGemmaConfig) -> dict:
-    """param_shapes' tree with each leaf's logical axis names (None: a vector, replicated)."""
-    def axes(path, shape):
+def logical_axes(params: dict) -> dict:
+    """A parameter tree's (arrays or shapes) logical axis names per leaf (None: replicated); a
+    quantization scale takes its weight's, None on the contracted axis."""
+    def axes(path, leaf):
         names = [str(getattr(k, "key", k)) for k in path]
         table = EXPERT_AXES if "experts" in names else LOGICAL_AXES
-        return table.get(names[-1], (None,) * len(shape.shape))
+        name = names[-1]
+        if name not in table and name.endswith(quantize.SCALE_SUFFIX):
+            weight = table[name.removesuffix(quantize.SCALE_SUFFIX)]
+            return tuple(a if n > 1 else None for a, n in zip(weight, leaf.shape))
+        return table.get(name, (None,) * len(leaf.shape))
 
-    return jax.tree_util.tree_map_with_path(axes, param_shapes(cfg))
+    return jax.tree_util.tree_map_with_path(axes, params)
 
 
 UNIT_LEAVES = ("norm", "scale", "scalar")  # leaf names ending so start at one in a random init
@@ -132,9 +188,11 @@ def init_params(cfg: DiffusionGemmaConfig, seed: int) -> dict:
     return jax.tree_util.tree_map_with_path(draw, param_shapes(cfg))
 
 
-def load(model: str, with_weights: bool = True) -> CanvasModel:
+def load(model: str, with_weights: bool = True, quantization: Quantization | None = None
+         ) -> CanvasModel:
     """A model of this family by preset name, YAML or directory (its manifest checked);
-    `with_weights=False`: its config, defaults and tokenizer only (params None)."""
+    `with_weights=False`: its config, defaults and tokenizer only (params None);
+    `quantization` int8 / fp8: its weight matrices quantized as they load (QUANTIZED)."""
     import orbax.checkpoint as ocp
 
     from mbd_jax.checkpoint import verify_manifest
@@ -164,6 +222,8 @@ def load(model: str, with_weights: bool = True) -> CanvasModel:
         decoding = from_dict(CanvasDecoding, section, where=f"{path.parent / GENERATION_FILE}")
         decoding.validate(f"{path.parent / GENERATION_FILE}: canvas")
     tokenizer = load_tokenizer(path.parent / extra["tokenizer"]) if extra["tokenizer"] else None
+    if params is not None and quantization not in (None, "none"):
+        params = quantized(params, cfg, quantization)
     return CanvasModel(cfg, params, tokenizer, decoding, path)
 
 

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from mbd_jax import canvas_model, plan as mask_plan
+from mbd_jax.config import Quantization
 from mbd_jax.config.diffusion_gemma import STABILITY_LIMIT, CanvasDecoding, DiffusionGemmaConfig
 from mbd_jax.decoding.canvas_loop import SAMPLER_ROWS, CanvasParams, start_canvas
 from mbd_jax.engine import canvas_programs, deviceless
@@ -39,6 +40,7 @@ class CanvasShape:
     context: int = 32768  # positions per row the pool holds
     buffer_size: int = 2  # 2: each commit rides on the next canvas's first pass
     prefill_chunk: int = 256
+    quantization: Quantization = "none"  # the weights: bf16, or 8-bit (int8 / fp8) with scales
 
 
 def _abstract(tree: Any, shardings: Any) -> Any:
@@ -52,8 +54,9 @@ def compile_canvas(cfg: DiffusionGemmaConfig, mesh: jax.sharding.Mesh, shape: Ca
     device) of a canvas engine of `shape` on `mesh`."""
     b, c, per_row = shape.batch_size, cfg.canvas_length, -(-shape.context // PAGE)
     rep = meshlib.replicated(mesh)
-    shapes = canvas_model.param_shapes(cfg)
-    params = _abstract(shapes, meshlib.tree_shardings(canvas_model.logical_axes(cfg), shapes, mesh))
+    shapes = canvas_model.param_shapes(cfg, shape.quantization)
+    params = _abstract(shapes, meshlib.tree_shardings(canvas_model.logical_axes(shapes), shapes,
+                                                      mesh))
     pool = jax.eval_shape(lambda: dg.allocate_pool(cfg, b * per_row, PAGE))
     pool_shardings = meshlib.tree_shardings([canvas_model.CACHE_AXES] * cfg.num_layers,
                                             [x["k"] for x in pool], mesh)
@@ -83,13 +86,19 @@ def compile_canvas(cfg: DiffusionGemmaConfig, mesh: jax.sharding.Mesh, shape: Ca
     return {k: deviceless.Program(v, 0) for k, v in compiled.items()}, per_device
 
 
-def _param_counts(cfg: DiffusionGemmaConfig) -> tuple[int, int, int]:
-    """(all parameters, the routed experts', the embedding's)."""
-    shapes = canvas_model.param_shapes(cfg)
-    total = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
-    experts = sum(math.prod(x.shape) for layer in shapes["layers"]
+def _param_split(cfg: DiffusionGemmaConfig, quantization: Quantization = "none",
+                 size=lambda x: math.prod(x.shape)) -> tuple[int, int, int]:
+    """(all parameters, the routed experts', the embedding's), counted by `size` (default:
+    elements; `_bytes` for bytes in their dtypes)."""
+    shapes = canvas_model.param_shapes(cfg, quantization)
+    total = sum(size(x) for x in jax.tree.leaves(shapes))
+    experts = sum(size(x) for layer in shapes["layers"]
                   for x in jax.tree.leaves(layer["experts"]))
-    return total, experts, math.prod(shapes["embed"].shape)
+    return total, experts, size(shapes["embed"])
+
+
+def _bytes(x) -> int:
+    return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
 
 
 def _keys_read(cfg: DiffusionGemmaConfig, layer: int, context: int, tokens: int) -> int:
@@ -101,11 +110,11 @@ def _keys_read(cfg: DiffusionGemmaConfig, layer: int, context: int, tokens: int)
 
 
 def pass_cost(cfg: DiffusionGemmaConfig, target: mask_plan.Target, n_devices: int,
-              param_bytes: int, kv_bytes: int, batch: int, tokens: int, context: int
-              ) -> dict[str, Any]:
+              param_bytes: int, kv_bytes: int, batch: int, tokens: int, context: int,
+              quantization: Quantization = "none") -> dict[str, Any]:
     """The modelled time of one forward of `tokens` per row (a canvas, or a canvas and the
     commit riding on it) at `context` cached positions (the module docstring)."""
-    total, experts, embed = _param_counts(cfg)
+    total, experts, embed = _param_split(cfg)
     k, e = cfg.num_experts_per_tok, cfg.num_experts
     active = total - experts - embed + experts * k / e  # per token, the head counted apart
     d, v, n = cfg.hidden_size, cfg.vocab_size, batch * tokens
@@ -118,7 +127,9 @@ def pass_cost(cfg: DiffusionGemmaConfig, target: mask_plan.Target, n_devices: in
     kv_read = kv_bytes * sum(_keys_read(cfg, i, context, tokens) * math.prod(cfg.head(i))
                              for i in range(cfg.num_layers)) / sum(
         context * math.prod(cfg.head(i)) for i in range(cfg.num_layers))
-    read = param_bytes * ((total - experts) / total + experts / total * hit) + kv_read
+    all_bytes, expert_bytes, _ = _param_split(cfg, quantization, _bytes)
+    routed = expert_bytes / all_bytes
+    read = param_bytes * ((1 - routed) + routed * hit) + kv_read
     hbm_s = read / target.hbm_bytes_per_s
     return {"flops": flops, "bytes_read_per_device": int(read), "compute_ms": compute_s * 1e3,
             "hbm_ms": hbm_s * 1e3, "ms": max(compute_s, hbm_s) * 1e3,
@@ -157,7 +168,8 @@ def plan(cfg: DiffusionGemmaConfig, target: str, per_host: int, mesh_spec: str,
     peak = max(p["total_bytes"] for p in report["programs"].values())
     report["fits"] = not enlarged and peak <= budget * facts.hbm_bytes
     cost = lambda tokens: pass_cost(cfg, facts, len(devices), held["param_bytes"],  # noqa: E731
-                                    held["kv_bytes"], shape.batch_size, tokens, shape.context)
+                                    held["kv_bytes"], shape.batch_size, tokens, shape.context,
+                                    shape.quantization)
     c = cfg.canvas_length
     step, first = cost(c), cost(2 * c if shape.buffer_size == 2 else c)
     commit = 0.0 if shape.buffer_size == 2 else cost(c)["ms"]
@@ -172,7 +184,7 @@ def table(report: dict[str, Any]) -> str:
     gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
     lines = [f"{report['model']} on {report['devices']} x {report['target']} mesh "
              f"{report['mesh']}: batch {report['batch_size']}, context {report['context']}, "
-             f"buffer_size {report['buffer_size']}",
+             f"buffer_size {report['buffer_size']}, weights {report['quantization']}",
              f"  parameters {gib(report['param_bytes_per_device'])} / device, KV pool "
              f"{gib(report['kv_bytes_per_device'])} / device"]
     for name, p in report["programs"].items():

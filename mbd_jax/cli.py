@@ -312,7 +312,7 @@ def _generate_canvases(args: argparse.Namespace) -> int:
     if args.chat or args.thinking:
         raise UserError("--chat: give the rendered prompt as --prompt (the service renders "
                         "chats with the model's template)")
-    model = canvas_model.load(args.model)
+    model = canvas_model.load(args.model, quantization=getattr(args, "quantization", None))
     flags = {"noise": args.noise, "steps": args.denoising_steps,
              "entropy_bound": args.entropy_bound, "t_min": args.t_min, "t_max": args.t_max,
              "seed": args.seed, "max_new_tokens": args.max_new_tokens,
@@ -670,7 +670,7 @@ def _plan_canvases(args: argparse.Namespace) -> int:
         raise UserError("--hosts: a canvas model is planned on one host's devices")
     cfg = canvas_model.load(args.model, with_weights=False).cfg
     shape = canvas_plan.CanvasShape(args.batch, args.context or 32768, min(args.buffer_size, 2),
-                                    args.prefill_chunk)
+                                    args.prefill_chunk, args.quantization or "none")
     report = canvas_plan.plan(cfg, args.target, args.devices_per_host, args.mesh, shape,
                               steps=args.denoising_steps or 16, budget=args.budget, say=_progress)
     print(json.dumps(report) if args.json else canvas_plan.table(report))

@@ -228,3 +228,57 @@ def test_the_engine_on_a_mesh_decodes_like_one_device():
     assert out["one_compiles"] == 0 and out["mesh_compiles"] == 0
     experts, q, pool = out["specs"]
     assert experts[0] == "expert" and q[1] == "tensor" and pool[2] == "tensor"
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_eight_bit_weights_compute_what_their_scaled_values_compute(scheme):
+    """tiny-dgemma quantized as it loads: every weight matrix (attention, dense MLP, experts,
+    self-conditioning) held in 8 bits with a float32 scale per output channel, the embedding,
+    norms and router in float; a decoder pass (over an encoded prompt, with self-conditioning)
+    equals the float model's given the dequantized weights q * scale, and the engine serves it
+    with the weights still 8-bit on the device."""
+    import jax.numpy as jnp
+
+    from mbd_jax import canvas_model
+    from mbd_jax.model import diffusion_gemma as dg
+    from mbd_jax.model.quantize import SCHEMES
+
+    m = canvas_model.load("tiny-dgemma", quantization=scheme)
+    cfg, q = m.cfg, m.params
+    layer = q["layers"][2]
+    assert layer["experts"]["down"].dtype == SCHEMES[scheme].dtype
+    assert layer["attn"]["o_scale"].shape == (1, cfg.hidden_size)
+    assert q["embed"].dtype == jnp.float32 and layer["router"]["expert_scale"].dtype == jnp.float32
+    dequantized = _dequantize(q)
+    rng = np.random.default_rng(0)
+    prompt = jnp.asarray(rng.integers(3, cfg.vocab_size, (2, 40)), jnp.int32)
+    canvas = jnp.asarray(rng.integers(3, cfg.vocab_size, (2, cfg.canvas_length)), jnp.int32)
+    soft = jnp.asarray(rng.normal(size=(2, cfg.canvas_length, cfg.hidden_size)), jnp.float32)
+    logits = []
+    for params in (q, dequantized):
+        cache = dg.encode(params, cfg, prompt, jnp.zeros(2, jnp.int32), dg.allocate_cache(cfg, 2, 64))
+        logits.append(np.asarray(dg.decode(params, cfg, canvas, jnp.full(2, 40), cache, soft,
+                                           jnp.ones(2, bool))))
+    np.testing.assert_allclose(logits[0], logits[1], atol=1e-5)
+    engine = CanvasEngine(cfg, q, batch_size=1, page_size=16, max_len=96, prefill_chunk=16)
+    engine.warmup()
+    out = engine.generate([prompt[0].tolist()], dataclasses.replace(CONTRACT, max_new_tokens=32))
+    assert len(out[0].token_ids) == 32
+    assert engine.params["layers"][0]["mlp"]["gate"].dtype == SCHEMES[scheme].dtype
+
+
+def _dequantize(tree):
+    """Each 8-bit weight times its scale, in float32; the scales dropped."""
+    from mbd_jax.model.quantize import SCALE_SUFFIX, dequantize
+
+    if isinstance(tree, list):
+        return [_dequantize(x) for x in tree]
+    out = {}
+    for name, leaf in tree.items():
+        if isinstance(leaf, (dict, list)):
+            out[name] = _dequantize(leaf)
+        elif name + SCALE_SUFFIX in tree:
+            out[name] = dequantize(leaf, tree[name + SCALE_SUFFIX], np.float32)
+        elif not (name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in tree):
+            out[name] = leaf
+    return out

@@ -159,3 +159,11 @@ def test_plan_compiles_a_canvas_model_for_eight_h200s():
     assert report["param_bytes_per_device"] < total / 2  # experts and heads split
     canvas, step = report["canvas"], report["decoder_pass"]
     assert canvas["ms"] > 8 * step["ms"] and canvas["steps"] == 8
+    # fp8 weights (their scales split like them): the matrices in one byte, not four
+    r = plan("--model", "tiny-dgemma", "--devices-per-host", "8", "--mesh", "expert=2,tensor=4",
+             "--batch", "2", "--context", "256", "--quantize", "fp8", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    fp8 = json.loads(r.stdout)
+    assert fp8["quantization"] == "fp8"
+    assert fp8["param_bytes_per_device"] < 0.5 * report["param_bytes_per_device"]
+    assert fp8["decoder_pass"]["bytes_read_per_device"] < step["bytes_read_per_device"]

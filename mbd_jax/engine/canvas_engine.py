@@ -63,7 +63,7 @@ class CanvasEngine:
         self.cfg, self.tokenizer, self.defaults = cfg, tokenizer, defaults
         self.mesh = mesh = mesh or meshlib.single_device_mesh()
         self.params = jax.device_put(params, meshlib.tree_shardings(
-            canvas_model.logical_axes(cfg), params, mesh))
+            canvas_model.logical_axes(params), params, mesh))
         self._replicated = meshlib.replicated(mesh)
         self.batch_size, self.prefill_chunk = batch_size, prefill_chunk
         self.steps_per_call = steps_per_call

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from mbd_jax.config.diffusion_gemma import DiffusionGemmaConfig
 from mbd_jax.model import moe
 from mbd_jax.model.layers import NEG_INF, rms_norm
+from mbd_jax.model.quantize import SCALE_SUFFIX
 
 Params = dict[str, Any]
 DECODER, ENCODER = 0, 1  # index of each mode's residual scale in a layer's `scalar`
@@ -146,8 +147,24 @@ def _norm(x: jax.Array, weight: jax.Array | None, cfg: DiffusionGemmaConfig) -> 
     return rms_norm(x, jnp.float32(1.0) if weight is None else weight, cfg.rms_norm_eps)
 
 
+def _dot(x: jax.Array, w: Params, name: str) -> jax.Array:
+    """x [..., in] @ w[name] [in, out]; an 8-bit weight (canvas_model.QUANTIZED) enters the
+    matmul as it is, cast, and its per-output-channel scale multiplies the product."""
+    scale = w.get(name + SCALE_SUFFIX)
+    if scale is None:
+        return x @ w[name]
+    return (x @ w[name].astype(x.dtype)) * scale[0].astype(x.dtype)
+
+
+def _expert_weight(w: Params, name: str, dtype) -> jax.Array:
+    """A stacked expert weight [E, in, out] in `dtype` (an 8-bit one times its [E, 1, out]
+    scales: the dense expert path reads them whole)."""
+    scale = w.get(name + SCALE_SUFFIX)
+    return w[name] if scale is None else w[name].astype(dtype) * scale.astype(dtype)
+
+
 def _mlp(x: jax.Array, w: Params) -> jax.Array:
-    return (gelu(x @ w["gate"]) * (x @ w["up"])) @ w["down"]
+    return _dot(gelu(_dot(x, w, "gate")) * _dot(x, w, "up"), w, "down")
 
 
 def embed(params: Params, cfg: DiffusionGemmaConfig, tokens: jax.Array) -> jax.Array:
@@ -160,9 +177,9 @@ def _qkv(w: Params, cfg: DiffusionGemmaConfig, layer: int, x: jax.Array, positio
     b, t, _ = x.shape
     kh, dh = cfg.head(layer)
     inv = inverse_frequencies(cfg, layer)
-    q = _norm((x @ w["q"]).reshape(b, t, cfg.num_heads, dh), w["q_norm"], cfg)
-    k_raw = (x @ w["k"]).reshape(b, t, kh, dh)
-    v = k_raw if "v" not in w else (x @ w["v"]).reshape(b, t, kh, dh)
+    q = _norm(_dot(x, w, "q").reshape(b, t, cfg.num_heads, dh), w["q_norm"], cfg)
+    k_raw = _dot(x, w, "k").reshape(b, t, kh, dh)
+    v = k_raw if "v" not in w else _dot(x, w, "v").reshape(b, t, kh, dh)
     k = _norm(k_raw, w["k_norm"], cfg)
     return rope(q, positions, inv), rope(k, positions, inv), _norm(v, None, cfg)
 
@@ -192,8 +209,10 @@ def _ffn(w: Params, cfg: DiffusionGemmaConfig, r: jax.Array) -> jax.Array:
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     weights = weights * router["expert_scale"][ids]
     ex = w["experts"]
-    routed = moe.experts_dense(_norm(flat, w["pre_ffn_norm_2"], cfg), ids, weights, ex["gate"],
-                               ex["up"], ex["down"], act=gelu).reshape(b, t, d)
+    routed = moe.experts_dense(
+        _norm(flat, w["pre_ffn_norm_2"], cfg), ids, weights,
+        *(_expert_weight(ex, n, flat.dtype) for n in ("gate", "up", "down")),
+        act=gelu).reshape(b, t, d)
     return _norm(dense + _norm(routed, w["post_ffn_norm_2"], cfg), w["post_ffn_norm"], cfg)
 
 
@@ -214,7 +233,7 @@ def _layer(w: Params, cfg: DiffusionGemmaConfig, layer: int, r: jax.Array, posit
     keys = jnp.concatenate([_read(entry["k"], read), k[:, written:].astype(dtype)], axis=1)
     values = jnp.concatenate([_read(entry["v"], read), v[:, written:].astype(dtype)], axis=1)
     visible = _visible(cfg, layer, positions, k_pos, written, r.shape[1] - written)
-    attn = _attend(q, keys, values, visible) @ w["attn"]["o"]
+    attn = _dot(_attend(q, keys, values, visible), w["attn"], "o")
     r = r + _norm(attn, w["post_attn_norm"], cfg)
     r = r + _ffn(w, cfg, r)
     scale = jnp.where(encoder[:, None], w["scalar"][ENCODER], w["scalar"][DECODER])

@@ -107,7 +107,7 @@ def build_canvas_engine(cfg: ServeConfig, mesh: jax.sharding.Mesh | None) -> Can
     if jax.process_count() > 1:
         raise UserError(f"model {cfg.model}: a diffusion_gemma model is served by one process "
                         "(multi-process serving is not built for this family yet)")
-    model = canvas_model.load(cfg.model)
+    model = canvas_model.load(cfg.model, quantization=cfg.runtime.quantization)
     if model.tokenizer is None:
         raise UserError(f"model {cfg.model}: the service needs a tokenizer")
     s = cfg.server
