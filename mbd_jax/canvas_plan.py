@@ -52,6 +52,7 @@ def compile_canvas(cfg: DiffusionGemmaConfig, mesh: jax.sharding.Mesh, shape: Ca
                    ) -> tuple[dict[str, deviceless.Program], dict[str, int]]:
     """({"round", "commit", "prefill"}: compiled programs, {param_bytes, kv_bytes} per
     device) of a canvas engine of `shape` on `mesh`."""
+    cfg = dataclasses.replace(cfg, platform=meshlib.platform(mesh))
     b, c, per_row = shape.batch_size, cfg.canvas_length, -(-shape.context // PAGE)
     rep = meshlib.replicated(mesh)
     shapes = canvas_model.param_shapes(cfg, shape.quantization)

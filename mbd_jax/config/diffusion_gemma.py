@@ -54,6 +54,9 @@ class DiffusionGemmaConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     chat_template: Literal["plain", "qwen", "llada2"] = "plain"  # the built-in one (chat.py), used
     # when the model directory ships no Jinja template of its own
+    # The platform the programs are built for (an engine sets it from its mesh; None: the first
+    # device's): a GPU's experts run as grouped matmuls over the hit experts, a CPU's densely
+    platform: Literal["cpu", "gpu", "tpu"] | None = None
 
     def validate(self, where: str = "model") -> None:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

@@ -18,6 +18,7 @@ reference) decodes for it alone. Shapes are static per engine: nothing compiles 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -60,8 +61,9 @@ class CanvasEngine:
         parameters and the pool split by canvas_model's logical axes, the canvas state and
         every host input replicated; each program pins its outputs' shardings, so the buffers
         it donates keep their layout and nothing recompiles."""
-        self.cfg, self.tokenizer, self.defaults = cfg, tokenizer, defaults
-        self.mesh = mesh = mesh or meshlib.single_device_mesh()
+        mesh = mesh or meshlib.single_device_mesh()
+        self.cfg = dataclasses.replace(cfg, platform=meshlib.platform(mesh))  # its expert path
+        self.tokenizer, self.defaults, self.mesh = tokenizer, defaults, mesh
         self.params = jax.device_put(params, meshlib.tree_shardings(
             canvas_model.logical_axes(params), params, mesh))
         self._replicated = meshlib.replicated(mesh)

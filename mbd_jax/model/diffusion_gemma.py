@@ -40,10 +40,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from mbd_jax.config.backend import platform_or_default
 from mbd_jax.config.diffusion_gemma import DiffusionGemmaConfig
 from mbd_jax.model import moe
 from mbd_jax.model.layers import NEG_INF, rms_norm
-from mbd_jax.model.quantize import SCALE_SUFFIX
+from mbd_jax.model.quantize import SCALE_SUFFIX, Quantized
 
 Params = dict[str, Any]
 DECODER, ENCODER = 0, 1  # index of each mode's residual scale in a layer's `scalar`
@@ -208,11 +209,15 @@ def _ffn(w: Params, cfg: DiffusionGemmaConfig, r: jax.Array) -> jax.Array:
     weights, ids = jax.lax.top_k(probs, cfg.num_experts_per_tok)
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     weights = weights * router["expert_scale"][ids]
-    ex = w["experts"]
-    routed = moe.experts_dense(
-        _norm(flat, w["pre_ffn_norm_2"], cfg), ids, weights,
-        *(_expert_weight(ex, n, flat.dtype) for n in ("gate", "up", "down")),
-        act=gelu).reshape(b, t, d)
+    ex, x = w["experts"], _norm(flat, w["pre_ffn_norm_2"], cfg)
+    if platform_or_default(cfg.platform) == "cpu":  # every expert on every token
+        routed = moe.experts_dense(x, ids, weights, *(
+            _expert_weight(ex, n, flat.dtype) for n in ("gate", "up", "down")), act=gelu)
+    else:  # grouped matmuls over the hit experts; 8-bit weights enter them as they are
+        routed = moe.experts_ragged(x, ids, weights, *(
+            ex[n] if n + SCALE_SUFFIX not in ex else Quantized(ex[n], ex[n + SCALE_SUFFIX])
+            for n in ("gate", "up", "down")), act=gelu)
+    routed = routed.reshape(b, t, d)
     return _norm(dense + _norm(routed, w["post_ffn_norm_2"], cfg), w["post_ffn_norm"], cfg)
 
 

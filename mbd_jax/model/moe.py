@@ -164,12 +164,12 @@ def experts_dense(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: Expe
 
 
 def experts_ragged(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: Experts,
-                   w_up: Experts, w_down: Experts, out_dtype=None) -> jax.Array:
+                   w_up: Experts, w_down: Experts, out_dtype=None, act=jax.nn.silu) -> jax.Array:
     """Grouped matmul: token copies sorted by expert, one `jax.lax.ragged_dot` per projection.
 
     Dropless and static-shape (N * k rows). Copies with id E sort last, outside every group
     (ragged_dot leaves rows past the groups zero; they are masked anyway). Same contract as
-    `experts_dense`.
+    `experts_dense` (`act` too).
     """
     n, k = ids.shape
     e = num_experts(w_gate)
@@ -186,7 +186,7 @@ def experts_ragged(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate: Exp
         return out * w.scale[row_expert, 0].astype(out.dtype)  # [N*k, out]
 
     xs = x[token_of]  # [N*k, D]
-    h = jax.nn.silu(grouped(xs, w_gate)) * grouped(xs, w_up)
+    h = act(grouped(xs, w_gate)) * grouped(xs, w_up)
     out = grouped(h, w_down, preferred_element_type=jnp.float32)
     routed = (flat_ids[order] < e)[:, None]
     out = jnp.where(routed, out * weights.reshape(-1)[order][:, None], 0.0)

@@ -179,20 +179,7 @@ class Service:
             raise HTTPError(400, "decoding: field 'structure' is not taken here; ask for "
                                  "structured output with response_format or structured_outputs",
                             param="decoding.structure")
-        budget = getattr(req, max_field)
-        if max_field == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
-            max_field, budget = "max_completion_tokens", req.max_completion_tokens
-        if budget is not None:
-            overrides["max_new_tokens"] = budget
-        elif "max_new_tokens" in overrides:
-            max_field = "decoding.max_new_tokens"
-        requested = overrides.get("max_new_tokens")
-        if protocol.is_int(requested) and requested > limit:
-            raise HTTPError(400, f"{max_field} must be at most {limit} on this server"
-                                 + (" for thinking requests" if thinking else "") + f", got "
-                                 f"{requested}: send {limit} or less (a client with a default "
-                                 "budget, such as lm-evaluation-harness's max_gen_toks of 256, "
-                                 "needs it set)", param=max_field)
+        max_field, explicit = protocol.token_budget(req, max_field, overrides, limit, thinking)
         for name in ("temperature", "top_p"):
             if getattr(req, name) is not None:
                 overrides[name] = getattr(req, name)
@@ -224,7 +211,7 @@ class Service:
             raise HTTPError(400, str(e), param=f"{where}.{field}" if field else where) from None
         seeds = ([(d.seed + j) % 2**31 for j in range(count)] if seeded
                  else [secrets.randbelow(2**31) for _ in range(count)])
-        return [dataclasses.replace(d, seed=s) for s in seeds], max_field if budget is not None else None
+        return [dataclasses.replace(d, seed=s) for s in seeds], max_field if explicit else None
 
     def structure(self, req: Any, tools: ToolUse | None = None) -> Structure | None:
         """The structured output the request asks for (structured.py) or the call grammar of

@@ -41,17 +41,7 @@ def decode_configs(svc, req: Any, thinking: bool, count: int, max_field: str,
     limit = gen.thinking_max_new_tokens if thinking else gen.max_new_tokens_limit
     base = dataclasses.asdict(engine.defaults) | {"max_new_tokens": min(gen.max_new_tokens, limit)}
     overrides = dict(req.decoding or {})
-    budget = getattr(req, max_field)
-    if max_field == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
-        max_field, budget = "max_completion_tokens", req.max_completion_tokens
-    if budget is not None:
-        overrides["max_new_tokens"] = budget
-    elif "max_new_tokens" in overrides:
-        max_field = "decoding.max_new_tokens"
-    requested = overrides.get("max_new_tokens")
-    if protocol.is_int(requested) and requested > limit:
-        raise HTTPError(400, f"{max_field} must be at most {limit} on this server, got "
-                             f"{requested}", param=max_field)
+    max_field, explicit = protocol.token_budget(req, max_field, overrides, limit, thinking)
     if req.seed is not None:
         overrides["seed"] = req.seed % 2**31
     seeded = "seed" in overrides
@@ -63,8 +53,7 @@ def decode_configs(svc, req: Any, thinking: bool, count: int, max_field: str,
         raise HTTPError(400, str(e), param=f"decoding.{field}" if field else "decoding") from None
     seeds = ([(d.seed + j) % 2**31 for j in range(count)] if seeded
              else [secrets.randbelow(2**31) for _ in range(count)])
-    return ([dataclasses.replace(d, seed=s) for s in seeds],
-            max_field if budget is not None or "max_new_tokens" in overrides else None)
+    return [dataclasses.replace(d, seed=s) for s in seeds], max_field if explicit else None
 
 
 def _refuse_structure(req: Any, tools) -> None:

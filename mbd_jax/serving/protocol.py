@@ -28,6 +28,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSche
 from mbd_jax.config import DecodeConfig
 from mbd_jax.config.decoding import RANGES
 from mbd_jax.serving import structured, tool_use
+from mbd_jax.serving.errors import HTTPError
 
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string
@@ -343,6 +344,29 @@ def parse(model: type[BaseModel], body: dict) -> Any:
         return model.model_validate(body)
     except pydantic.ValidationError as e:
         raise RequestError(*error_of(model, e)) from None
+
+
+def token_budget(req: BaseModel, max_field: str, overrides: dict, limit: int,
+                 thinking: bool = False) -> tuple[str, bool]:
+    """Puts the request's token budget into overrides["max_new_tokens"]: `max_field`
+    (max_tokens, max_new_tokens), or max_completion_tokens, over decoding.max_new_tokens; a
+    400 naming the field above `limit`. Returns (the field that set it, whether a top-level
+    field did: an explicit budget must fit beside the prompt)."""
+    budget = getattr(req, max_field)
+    if max_field == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
+        max_field, budget = "max_completion_tokens", req.max_completion_tokens
+    if budget is not None:
+        overrides["max_new_tokens"] = budget
+    elif "max_new_tokens" in overrides:
+        max_field = "decoding.max_new_tokens"
+    requested = overrides.get("max_new_tokens")
+    if is_int(requested) and requested > limit:
+        raise HTTPError(400, f"{max_field} must be at most {limit} on this server"
+                             + (" for thinking requests" if thinking else "") + f", got "
+                             f"{requested}: send {limit} or less (a client with a default "
+                             "budget, such as lm-evaluation-harness's max_gen_toks of 256, "
+                             "needs it set)", param=max_field)
+    return max_field, budget is not None
 
 
 class RequestError(ValueError):
