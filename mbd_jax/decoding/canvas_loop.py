@@ -95,9 +95,9 @@ def denoise_step(params, cfg: DiffusionGemmaConfig, p: CanvasParams, st: CanvasS
     """One decoder pass over every row's canvas and the sampler's update of the live rows.
     `commit` [B, C]: the previous canvas, committed by this same forward (its encoder pass at
     cached_len - C) before the canvas reads it, for the rows `commit_rows` [B] selects
-    (default all; the others' cache keeps what it holds there). The LM head and the sampler run `sampler_rows`
-    rows at a time (_sample_rows), so a step holds that many rows' [C, V] arrays, not the
-    batch's. Returns (the state, the cache)."""
+    (default all; the others' cache keeps what it holds there). The LM head and the sampler
+    run `sampler_rows` rows at a time (_sample_rows), so a step holds that many rows' [C, V]
+    arrays, not the batch's. Returns (the state, the cache)."""
     c, v = cfg.canvas_length, cfg.vocab_size
     start = cached_len if commit is None else cached_len - c
     cache, h = dg.forward(params, cfg, commit, start, cache, st.canvas, st.soft,
@@ -153,14 +153,16 @@ def denoise(params, cfg: DiffusionGemmaConfig, p: CanvasParams, st: CanvasState,
 
 def engine_round(params, cfg: DiffusionGemmaConfig, p: CanvasParams, st: CanvasState,
                  cache: dg.Cache, cached_len: jax.Array, index: jax.Array, fresh: jax.Array,
-                 idle: jax.Array, commit: jax.Array | None, commit_rows: jax.Array, max_steps: jax.Array,
-                 sampler_rows: int = SAMPLER_ROWS) -> tuple[CanvasState, dg.Cache]:
+                 idle: jax.Array, commit: jax.Array | None, commit_rows: jax.Array,
+                 max_steps: jax.Array, sampler_rows: int = SAMPLER_ROWS
+                 ) -> tuple[CanvasState, dg.Cache, jax.Array]:
     """The engine's decode call over rows at different places in their generations: rows
-    `fresh` [B] start a new canvas (their `st.index`), `idle` [B] rows take no steps, then
+    `fresh` [B] start a new canvas, `idle` [B] rows take no steps, then
     every live row steps until one of them finishes its canvas or `max_steps` passed. index
     [B]: each fresh row's canvas index in its generation. `commit`
     [B, C] (the rows `commit_rows` [B] select): previous canvases that the first step commits
-    (MultiBD for canvases). A row's tokens never depend on the other rows."""
+    (MultiBD for canvases). A row's tokens never depend on the other rows. Returns (the
+    state, the cache, the decoder passes this call ran)."""
     new = start_canvas(cfg, p, index, idle, st.history.shape[1])
     st = jax.tree.map(lambda a, b: jnp.where(
         fresh.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), new, st)
@@ -178,8 +180,8 @@ def engine_round(params, cfg: DiffusionGemmaConfig, p: CanvasParams, st: CanvasS
         return denoise_step(params, cfg, p, s, cache, cached_len,
                             sampler_rows=sampler_rows)[0], n + 1
 
-    st, _ = jax.lax.while_loop(running, step, (st, jnp.int32(1)))
-    return st, cache
+    st, passes = jax.lax.while_loop(running, step, (st, jnp.int32(1)))
+    return st, cache, passes
 
 
 @dataclasses.dataclass

@@ -38,7 +38,7 @@ from mbd_jax.engine.canvas_rows import CanvasRow
 from mbd_jax.engine.pages import PagePool, page_keys, page_table
 from mbd_jax.engine.results import GenerationResult
 from mbd_jax.engine.rows import EngineRequest, RowEvent, RowTable, StepOutcome
-from mbd_jax.engine.stats import EngineStats
+from mbd_jax.engine.stats import RECENT_CALLS, EngineStats
 from mbd_jax.errors import UserError
 from mbd_jax.model import diffusion_gemma as dg
 from mbd_jax.parallel import mesh as meshlib
@@ -225,14 +225,14 @@ class CanvasEngine:
             self._layers = programs.encode(self.params, self.cfg, self._layout, self._layers,
                                            table, commit, cached - c, apart)
         idle = np.array([i not in busy for i in range(b)])
-        self._state, self._layers = programs.denoise_round(
+        self._state, self._layers, passes = programs.denoise_round(
             self.params, self.cfg, self._layout, self._params_device(), self._state,
             self._layers, table, cached, index, fresh, idle, commit if fused.any() else None, fused,
             np.int32(max_steps), self.sampler_rows)
-        done, argmax, steps = jax.device_get((self._state.done, self._state.argmax,
-                                              self._state.steps_done))
-        self._calls.append((time.perf_counter() - t0, int(steps.max())))
-        del self._calls[:-1024]
+        done, argmax, steps, passes = jax.device_get((self._state.done, self._state.argmax,
+                                                      self._state.steps_done, passes))
+        self._calls.append((time.perf_counter() - t0, int(passes)))
+        del self._calls[:-RECENT_CALLS]
         finished = []
         for i, row in busy.items():
             row.commits_apart += bool(apart[i])
@@ -302,7 +302,7 @@ class CanvasEngine:
                                        self.table(), np.zeros((b, c), np.int32), zeros, no)
         for commit in (None, np.zeros((b, c), np.int32)):
             say("compiling the denoising round" + (" with commits" if commit is not None else ""))
-            self._state, self._layers = programs.denoise_round(
+            self._state, self._layers, _ = programs.denoise_round(
                 self.params, self.cfg, self._layout, self._params_device(), self._state,
                 self._layers, self.table(), zeros, zeros, no, np.ones(b, bool), commit, no,
                 np.int32(1), self.sampler_rows)

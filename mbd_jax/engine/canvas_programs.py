@@ -39,7 +39,8 @@ def encode(params, cfg, layout, layers, table, tokens, start, write):
 @functools.partial(jax.jit, static_argnums=(1, 2, 14), donate_argnums=(4, 5))
 def denoise_round(params, cfg, layout, p, st, layers, table, cached_len, index, fresh, idle, commit,
            commit_rows, max_steps, sampler_rows):
-    st, cache = canvas_loop.engine_round(params, cfg, p, st, dg.PagedCache(layers, table),
-                                         cached_len, index, fresh, idle, commit, commit_rows,
-                                         max_steps, sampler_rows)
-    return jax.lax.with_sharding_constraint(st, layout.replicated), layout.pin_layers(cache.layers)
+    st, cache, passes = canvas_loop.engine_round(
+        params, cfg, p, st, dg.PagedCache(layers, table), cached_len, index, fresh, idle, commit,
+        commit_rows, max_steps, sampler_rows)
+    return (jax.lax.with_sharding_constraint(st, layout.replicated),
+            layout.pin_layers(cache.layers), passes)
