@@ -17,7 +17,7 @@ def test_every_preset_and_shipped_model_config_loads(name):
 
     if canvas_model.is_canvas_model(name):  # its own loader; the block-diffusion one refuses it
         assert canvas_model.load(name, with_weights=False).cfg.canvas_length > 0
-        with pytest.raises(ConfigError, match="diffusion_gemma .* `mbd-jax generate` decodes it"):
+        with pytest.raises(ConfigError, match="diffusion_gemma .* `mbd-jax generate` and `mbd-jax serve` run it"):
             load_model_config(resolve_model_path(name))
         return
     cfg = load_model_config(resolve_model_path(name))
@@ -32,6 +32,19 @@ def test_real_shape_presets_have_the_published_sizes():
     assert 7.5e9 < sizes.num_params(sdar) < 8.8e9
     moe = load_model_config(MODEL_PRESET_DIR / "sdar-30b-a3b.yaml")
     assert 29e9 < sizes.num_params(moe) < 32e9 and 2.8e9 < sizes.active_params_per_token(moe) < 3.6e9
+    import math
+
+    import jax
+
+    from mbd_jax import canvas_model
+
+    dgemma = canvas_model.load("diffusion-gemma-26b-a4b", with_weights=False).cfg
+    shapes = canvas_model.param_shapes(dgemma)  # "25.2B total, 3.8B active"
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+    experts = sum(math.prod(x.shape) for layer in shapes["layers"]
+                  for x in jax.tree.leaves(layer["experts"]))
+    active = total - experts * (1 - dgemma.num_experts_per_tok / dgemma.num_experts)
+    assert 25.0e9 < total < 25.4e9 and 3.7e9 < active < 3.9e9
 
 
 def test_qwen3_5_35b_a3b_preset_is_the_transformers_model():

@@ -142,6 +142,8 @@ def test_plan_compiles_a_canvas_model_for_eight_h200s():
     """tiny-dgemma's canvas engine compiled for 8 H200s (experts on 2, heads on 4): the
     parameters and the pool are what the shapes give split by the mesh, and a canvas is its
     passes plus the fused commit."""
+    import jax
+
     from mbd_jax import canvas_model
 
     r = plan("--model", "tiny-dgemma", "--devices-per-host", "8", "--mesh", "expert=2,tensor=4",
@@ -154,8 +156,7 @@ def test_plan_compiles_a_canvas_model_for_eight_h200s():
     # tensor (4) divides them (none here: 2 and 1 KV heads), float32
     kv = sum(2 * 2 * 256 * k * d * 4 for k, d in map(cfg.head, range(cfg.num_layers)))
     assert report["kv_bytes_per_device"] == kv
-    total = sum(int(np.prod(x.shape)) * 4
-                for x in __import__("jax").tree.leaves(canvas_model.param_shapes(cfg)))
+    total = sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(canvas_model.param_shapes(cfg)))
     assert report["param_bytes_per_device"] < total / 2  # experts and heads split
     canvas, step = report["canvas"], report["decoder_pass"]
     assert canvas["ms"] > 8 * step["ms"] and canvas["steps"] == 8
