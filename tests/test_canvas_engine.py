@@ -112,6 +112,27 @@ def test_a_stopped_row_keeps_what_it_was_given_and_a_cancelled_one_frees_its_row
     assert len(engine.rows) == 0 and engine.pages.in_use == 0
 
 
+def test_a_long_prompt_prefills_a_chunk_per_step_beside_decoding_rows(reference):
+    """A 33-token prompt admitted beside a decoding row takes one 8-token chunk per step (the
+    other row's decode calls go on meanwhile) and then decodes what it decodes alone."""
+    _, cfg, params = reference[:3]
+    long_prompt = PROMPTS[2] + PROMPTS[1]  # 33 tokens: 5 chunks
+    d = dataclasses.replace(CONTRACT, max_new_tokens=40)
+    alone = _engine(cfg, params).generate([long_prompt], [d])[0]
+    engine = _engine(cfg, params)
+    first, second = EngineRequest(PROMPTS[0], d), EngineRequest(long_prompt, d)
+    engine.step([first])
+    out = engine.step([second])
+    assert out.admitted == [second] and out.decoded
+    row = engine.rows[engine.rows.find(second)]
+    assert row.prefilling and row.prefilled == 8
+    tokens = []
+    while len(engine.rows):
+        for e in engine.step().events:
+            tokens += e.tokens if e.request is second else []
+    assert tokens == alone.token_ids
+
+
 def test_requests_the_engine_cannot_hold_are_refused_by_field(reference):
     _, cfg, params = reference[:3]
     engine = CanvasEngine(cfg, params, batch_size=1, page_size=CANVAS, max_len=32)

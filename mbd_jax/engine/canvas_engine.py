@@ -4,7 +4,8 @@ fits (free rows, KV pages, prefix pages shared), prefills them, runs one decode 
 returns an event per row whose canvas finished.
 
     admit:  reserve pages (prompt + the commits its budget allows), map the prompt's indexed
-            pages, prefill the rest in [1, prefill_chunk] encoder calls, index its full pages
+            pages; then one [1, prefill_chunk] encoder call per prefilling row per step, its
+            full pages indexed once its prompt is in
     decode: [buffer_size 1 rows] commit the previous canvas in an encoder call of its own
             round (canvas_loop.engine_round): fresh rows start a canvas, the buffer_size 2 rows'
             commits ride on the first step, then every row steps until one finishes its canvas
@@ -139,15 +140,17 @@ class CanvasEngine:
 
     def step(self, candidates: Sequence[EngineRequest] = (),
              max_steps: int | None = None) -> StepOutcome:
-        """End the rows asked to end -> admit and prefill the longest prefix of `candidates`
-        that fits -> one decode call -> an event per row whose canvas finished. A failure fails
+        """End the rows asked to end -> admit the longest prefix of `candidates` that fits ->
+        a prefill chunk of each prefilling row -> one decode call over the rows whose prompt is
+        in -> an event per row whose canvas finished. A failure fails
         every busy row (the device buffers are allocated afresh) and is reported; the engine
         goes on."""
         out, in_decode = StepOutcome(), False
         try:
             self._end_rows(out)
             self._admit(candidates, out)
-            if len(self.rows):
+            self._prefill_round()
+            if self._decoding():
                 in_decode = True
                 self._decode(out, max_steps or self.steps_per_call)
                 out.decoded = True
@@ -186,31 +189,46 @@ class CanvasEngine:
             tokens = self._positions(request.prompt, request.decode)
             if self.pages.cost(tokens, shared) > self.pages.free:
                 break  # the head waits for pages; nothing behind it overtakes it
+            if len(shared) < len(keys) and keys[len(shared)] in self._being_prefilled():
+                break  # its next page is a prompt page still prefilling: map it once it is in
             i = free[len(out.admitted)]
             out.admitted.append(request)
             row = CanvasRow(request, self.pages.reserve(tokens, shared), len(request.prompt),
                             self._canvases(request.decode))
+            row.prefilled, row.page_keys = len(shared) * self.pages.page, keys
             self.rows.add(i, row)
             self._table = None
-            self._prefill(i, row, len(shared) * self.pages.page)
-            self.pages.register(row.pages, keys)
-            self.pool_hit_tokens += min(len(shared) * self.pages.page, len(request.prompt))
+            self.pool_hit_tokens += min(row.prefilled, len(request.prompt))
             self._set_params(i, request.decode)
 
-    def _prefill(self, i: int, row: CanvasRow, start: int) -> None:
-        """The prompt's positions [start, len) into row i's pages, prefill_chunk at a time."""
-        t, prompt = self.prefill_chunk, row.request.prompt
-        table = self.table()[i: i + 1]
-        for s in range(start, len(prompt), t):
+    def _prefill_round(self) -> None:
+        """One prefill_chunk of each prefilling row's prompt into its pages (a long prompt
+        takes a chunk per step, between the others' decode calls); a row whose prompt is in
+        indexes its full pages and decodes from the next call."""
+        t = self.prefill_chunk
+        for i, row in self.rows.items():
+            if not row.prefilling:
+                continue
+            s, prompt = row.prefilled, row.request.prompt
             chunk = np.full((1, t), self.cfg.pad_token_id, np.int32)
             piece = prompt[s: s + t]
             chunk[0, : len(piece)] = piece
             self._layers = programs.encode(self.params, self.cfg, self._layout, self._layers,
-                                           table, chunk, np.array([s], np.int32), np.ones(1, bool))
+                                           self.table()[i: i + 1], chunk, np.array([s], np.int32),
+                                           np.ones(1, bool))
+            row.prefilled = min(s + t, len(prompt))
+            if not row.prefilling:
+                self.pages.register(row.pages, row.page_keys)
+
+    def _being_prefilled(self) -> set[bytes]:
+        return {k for _, r in self.rows.items() if r.prefilling for k in r.page_keys}
+
+    def _decoding(self) -> dict[int, CanvasRow]:
+        return {i: row for i, row in self.rows.items() if not row.prefilling}
 
     def _decode(self, out: StepOutcome, max_steps: int) -> None:
         b, c = self.batch_size, self.cfg.canvas_length
-        busy = dict(self.rows.items())
+        busy = self._decoding()  # (prefilling rows idle: their canvases start once it is in)
         commit = np.zeros((b, c), np.int32)
         apart, fused, fresh = (np.zeros(b, bool) for _ in range(3))
         cached, index = np.zeros(b, np.int32), np.zeros(b, np.int32)

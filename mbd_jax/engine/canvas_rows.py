@@ -29,6 +29,9 @@ class CanvasRow:
     pages: list[int]  # KV pool pages held, in order
     cached_len: int  # positions in its cache: the current canvas starts here
     canvases: int  # canvases its token budget allows
+    prefilled: int = 0  # prompt positions [0, prefilled) are in its pages
+    page_keys: list[bytes] = dataclasses.field(default_factory=list)  # its prompt pages'
+    # prefix keys (pages.py), indexed once its prompt is in
     index: int = 0  # the current canvas's index in its generation
     fresh: bool = True  # the current canvas has not started (the next decode call starts it)
     commit: np.ndarray | None = None  # [C] the previous canvas, committed by the next call
@@ -38,6 +41,10 @@ class CanvasRow:
     commits_apart: int = 0  # commits that took a forward of their own (buffer_size 1)
     ending: str | None = None  # "cancel" or "stop" (engine.end)
     started: float = dataclasses.field(default_factory=time.monotonic)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.request.prompt)
 
     def canvas_done(self, argmax: np.ndarray, steps: int, cfg: DiffusionGemmaConfig) -> RowEvent:
         """Takes a finished canvas (argmax [C], after `steps` passes): its output tokens, then
