@@ -204,6 +204,10 @@ def test_the_service_serves_a_canvas_model(tmp_path):
             assert r.json()["segments"][0]["nfe"] == want.nfe
             schema = http.get("/openapi.json").json()["components"]["schemas"]["DecodeConfig"]
             assert {"entropy_bound", "t_min", "t_max", "noise"} <= set(schema["properties"])
+        metrics = srv.metrics()  # the service's metrics read the canvas engine's stats
+        assert metrics["mbd_generated_tokens_total"] >= 7 * c and metrics["mbd_busy_rows"] == 0
+        assert metrics["mbd_decode_forwards_total"] > 0 and metrics["mbd_engine_failures_total"] == 0
+        assert metrics["mbd_kv_buffer_usage_ratio"] == 0.0
     finally:
         srv.stop()
 
