@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,14 +32,13 @@ import numpy as np
 from mbd_jax import canvas_model
 from mbd_jax.config.diffusion_gemma import STABILITY_LIMIT, CanvasDecoding, DiffusionGemmaConfig
 from mbd_jax.decoding.canvas_loop import SAMPLER_ROWS, CanvasParams, start_canvas
-from mbd_jax.engine import canvas_programs as programs
+from mbd_jax.engine import canvas_checks, canvas_programs as programs
 from mbd_jax.engine.canvas_programs import Layout
 from mbd_jax.engine.canvas_rows import CanvasRow
 from mbd_jax.engine.pages import PagePool, page_keys, page_table
 from mbd_jax.engine.results import GenerationResult
 from mbd_jax.engine.rows import EngineRequest, RowEvent, RowTable, StepOutcome
 from mbd_jax.engine.stats import RECENT_CALLS, EngineStats
-from mbd_jax.errors import UserError
 from mbd_jax.model import diffusion_gemma as dg
 from mbd_jax.parallel import mesh as meshlib
 
@@ -83,35 +81,13 @@ class CanvasEngine:
 
     # ---------------------------------------------------------------- checks
     def check_prompt(self, ids: Sequence[int], where: str = "prompt") -> None:
-        if len(ids) == 0:
-            raise UserError(f"{where}: empty prompt; give at least one token")
-        bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
-        if bad:
-            raise UserError(f"{where}: token id {bad[0]} is not allowed; ids must be in "
-                            f"[0, {self.cfg.vocab_size})")
+        canvas_checks.check_prompt(self.cfg, ids, where)
 
     def check_decode(self, d: CanvasDecoding, where: str = "decoding") -> None:
-        if not isinstance(d, CanvasDecoding):
-            raise UserError(f"{where}: this model ({self.cfg.name}) is a canvas model; its "
-                            "decoding settings are CanvasDecoding's")
-        d.validate(where)
+        canvas_checks.check_decode(self.cfg, d, where)
 
     def check_fits(self, prompt: Sequence[int], d: CanvasDecoding, where: str = "decoding") -> None:
-        need = self._positions(prompt, d) + self.cfg.canvas_length  # and the last canvas read
-        if need > self.max_len:
-            raise UserError(f"{where}: the prompt ({len(prompt)} tokens) and "
-                            f"{self._canvases(d)} canvases of {self.cfg.canvas_length} need "
-                            f"{need} positions; this engine holds {self.max_len} per row")
-        if self.pages.pages_for(self._positions(prompt, d)) > self.pages.num_pages:
-            raise UserError(f"{where}: the request needs more KV pages than the whole pool "
-                            f"({self.pages.num_pages} of {self.pages.page} positions)")
-
-    def _canvases(self, d: CanvasDecoding) -> int:
-        return math.ceil(d.max_new_tokens / self.cfg.canvas_length)
-
-    def _positions(self, prompt: Sequence[int], d: CanvasDecoding) -> int:
-        """Positions a row writes: its prompt and every canvas but the last (never committed)."""
-        return len(prompt) + (self._canvases(d) - 1) * self.cfg.canvas_length
+        canvas_checks.check_fits(self.cfg, prompt, d, self.max_len, self.pages, where)
 
     # ---------------------------------------------------------------- drivers
     def generate(self, prompts: Sequence[Sequence[int]],
@@ -186,7 +162,7 @@ class CanvasEngine:
         for request in candidates[: len(free)]:
             keys = page_keys(request.prompt, self.pages.page, len(request.prompt))
             shared = self.pages.lookup(keys)
-            tokens = self._positions(request.prompt, request.decode)
+            tokens = canvas_checks.positions(self.cfg, request.prompt, request.decode)
             if self.pages.cost(tokens, shared) > self.pages.free:
                 break  # the head waits for pages; nothing behind it overtakes it
             if len(shared) < len(keys) and keys[len(shared)] in self._being_prefilled():
@@ -194,7 +170,7 @@ class CanvasEngine:
             i = free[len(out.admitted)]
             out.admitted.append(request)
             row = CanvasRow(request, self.pages.reserve(tokens, shared), len(request.prompt),
-                            self._canvases(request.decode))
+                            canvas_checks.canvases(self.cfg, request.decode))
             row.prefilled, row.page_keys = len(shared) * self.pages.page, keys
             self.rows.add(i, row)
             self._table = None
