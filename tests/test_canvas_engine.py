@@ -170,6 +170,10 @@ def test_the_service_serves_a_canvas_model(tmp_path):
         got = client.completions.create(model="tiny-dgemma", prompt=prompt, max_tokens=3 * c,
                                         extra_body={"decoding": settings})
         assert got.choices[0].text == want.text and got.usage.completion_tokens == 3 * c
+        greedy = client.completions.create(  # temperature 0: the contract's argmax draws
+            model="tiny-dgemma", prompt=prompt, max_tokens=3 * c, temperature=0, top_p=1,
+            extra_body={"decoding": {"steps": 4}})
+        assert greedy.choices[0].text == want.text
         chunks = list(client.completions.create(
             model="tiny-dgemma", prompt=prompt, stream=True, max_tokens=3 * c,
             extra_body={"decoding": settings}))

@@ -1,8 +1,9 @@
 """A request's decoding settings for a canvas model (DiffusionGemma: engine/canvas_engine.py):
 the model's defaults (its generation.yaml `canvas` section), the server's token budget, then the
-request's `decoding` object (CanvasDecoding's fields), seed and max_tokens. What the family does
-not have is refused by name: OpenAI sampling knobs (its temperature is a schedule:
-decoding.t_min / t_max), log-probabilities, structured output and forced tool calls."""
+request's `decoding` object (CanvasDecoding's fields), seed and max_tokens; `temperature: 0`
+(greedy) is the deterministic contract's argmax draws. What the family does not have is refused
+by name: other OpenAI sampling values (its temperature is a schedule: decoding.t_min / t_max),
+log-probabilities, structured output and forced tool calls."""
 
 from __future__ import annotations
 
@@ -18,10 +19,14 @@ from mbd_jax.errors import UserError
 from mbd_jax.serving import protocol, structured
 from mbd_jax.serving.errors import HTTPError
 
-# OpenAI fields that set a mask model's sampler, with what this family takes instead
-NOT_TAKEN = {"temperature": "its temperature is a schedule: set decoding.t_min and decoding.t_max",
-             "top_p": "it samples the full distribution at the scheduled temperature",
-             "top_k": "it samples the full distribution at the scheduled temperature"}
+# OpenAI sampler fields: the values this family takes (they change nothing, or temperature 0:
+# greedy, the deterministic contract's argmax draws) and what it takes instead of the others
+NEUTRAL = {"temperature": (0,), "top_p": (1,), "top_k": (0, -1)}
+NOT_TAKEN = {"temperature": "its temperature is a schedule: set decoding.t_min and decoding.t_max "
+                            "(0 is taken: greedy, decoding.noise 'deterministic')",
+             "top_p": "it samples the full distribution at the scheduled temperature (1 is taken)",
+             "top_k": "it samples the full distribution at the scheduled temperature (0 and -1 "
+                      "are taken)"}
 
 
 def decode_configs(svc, req: Any, thinking: bool, count: int, max_field: str,
@@ -30,9 +35,10 @@ def decode_configs(svc, req: Any, thinking: bool, count: int, max_field: str,
     and the field that set the token budget (None: the server default)."""
     gen, engine = svc.cfg.generation, svc.scheduler.engine
     for name, why in NOT_TAKEN.items():
-        if getattr(req, name, None) is not None:
+        value = getattr(req, name, None)
+        if value is not None and value not in NEUTRAL[name]:
             raise HTTPError(400, f"field '{name}' is not taken by this model ({engine.cfg.name}, "
-                                 f"uniform-noise canvases): {why}", param=name)
+                                 f"uniform-noise canvases) at {value}: {why}", param=name)
     if protocol.wants_logprobs(req):
         raise HTTPError(400, "field 'logprobs': this model's tokens are chosen by denoising a "
                              "canvas, not drawn one at a time; it has no per-token "
@@ -42,6 +48,8 @@ def decode_configs(svc, req: Any, thinking: bool, count: int, max_field: str,
     base = dataclasses.asdict(engine.defaults) | {"max_new_tokens": min(gen.max_new_tokens, limit)}
     overrides = dict(req.decoding or {})
     max_field, explicit = protocol.token_budget(req, max_field, overrides, limit, thinking)
+    if getattr(req, "temperature", None) == 0:
+        overrides.setdefault("noise", "deterministic")  # greedy: argmax draws
     if req.seed is not None:
         overrides["seed"] = req.seed % 2**31
     seeded = "seed" in overrides
