@@ -31,7 +31,7 @@ from mbd_jax.errors import UserError
 from mbd_jax.model import diffusion_gemma as dg
 from mbd_jax.parallel import mesh as meshlib
 
-PAGE = 64  # the canvas engine's default page size
+PAGE = canvas_programs.PAGE_SIZE  # the canvas engine's default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +49,7 @@ def _abstract(tree: Any, shardings: Any) -> Any:
 
 
 def compile_canvas(cfg: DiffusionGemmaConfig, mesh: jax.sharding.Mesh, shape: CanvasShape
-                   ) -> tuple[dict[str, deviceless.Program], dict[str, int]]:
+                   ) -> tuple[dict[str, jax.stages.Compiled], dict[str, int]]:
     """({"round", "commit", "prefill"}: compiled programs, {param_bytes, kv_bytes} per
     device) of a canvas engine of `shape` on `mesh`."""
     cfg = dataclasses.replace(cfg, platform=meshlib.platform(mesh))
@@ -59,11 +59,9 @@ def compile_canvas(cfg: DiffusionGemmaConfig, mesh: jax.sharding.Mesh, shape: Ca
     params = _abstract(shapes, meshlib.tree_shardings(canvas_model.logical_axes(shapes), shapes,
                                                       mesh))
     pool = jax.eval_shape(lambda: dg.allocate_pool(cfg, b * per_row, PAGE))
-    pool_shardings = meshlib.tree_shardings([canvas_model.CACHE_AXES] * cfg.num_layers,
-                                            [x["k"] for x in pool], mesh)
-    layout = Layout(tuple((s, s) for s in pool_shardings), rep)
+    layout = Layout.of(pool, mesh)
     layers = [{n: jax.ShapeDtypeStruct(x[n].shape, x[n].dtype, sharding=s) for n in ("k", "v")}
-              for x, s in zip(pool, pool_shardings)]
+              for x, s in zip(pool, layout.layers)]
     arr = lambda shp, dt: jax.ShapeDtypeStruct(shp, dt, sharding=rep)  # noqa: E731
     p = jax.tree.map(lambda x: arr(x.shape, x.dtype), CanvasParams.of([CanvasDecoding()] * b))
     st = jax.tree.map(lambda x: arr(x.shape, x.dtype), jax.eval_shape(
@@ -84,7 +82,7 @@ def compile_canvas(cfg: DiffusionGemmaConfig, mesh: jax.sharding.Mesh, shape: Ca
             arr((1,), jnp.bool_)).compile()}
     per_device = {"param_bytes": deviceless.per_device_bytes(params),
                   "kv_bytes": deviceless.per_device_bytes(layers)}
-    return {k: deviceless.Program(v, 0) for k, v in compiled.items()}, per_device
+    return compiled, per_device
 
 
 def _param_split(cfg: DiffusionGemmaConfig, quantization: Quantization = "none",

@@ -196,6 +196,7 @@ def test_the_service_serves_a_canvas_model(tmp_path):
             for body, param in [({"decoding": {"entropy_bound": 0}}, "decoding.entropy_bound"),
                                 ({"decoding": {"t_min": 0.9}}, "decoding.t_max"),
                                 ({"decoding": {"steps": 0}}, "decoding.steps"),
+                                ({"decoding": {"t_max": 1e300}}, "decoding.t_max"),
                                 ({"decoding": {"threshold": 0.9}}, "decoding"),
                                 ({"temperature": 0.7}, "temperature"),
                                 ({"logprobs": 2}, "logprobs"),

@@ -18,6 +18,8 @@ from mbd_jax.config.fields import _check, _check_range
 
 AttentionKind = Literal["sliding_attention", "full_attention"]  # transformers' layer_types names
 NoiseKind = Literal["uniform", "deterministic"]  # decoding/canvas.py
+TEMPERATURE_RANGE = (1e-4, 1e4)  # a request's t_min and t_max
+ENTROPY_LIMIT = 1e6  # entropy_bound and confidence (a canvas's entropies are at most C log V)
 STABILITY_LIMIT = 16  # the most steps a request may ask the argmax canvas to hold still (the
 # engine keeps that many argmax canvases per row)
 
@@ -109,9 +111,11 @@ class CanvasDecoding:
         _check_range(self, where, "max_new_tokens", 1, 1 << 30)
         _check_range(self, where, "seed", 0, 2**31 - 1)
         _check_range(self, where, "buffer_size", 1, 2)
-        _check(self.entropy_bound > 0, where,
-               f"field 'entropy_bound' must be > 0, got {self.entropy_bound}")
-        _check(0 < self.t_min, where, f"field 't_min' must be > 0, got {self.t_min}")
+        _check(0 < self.entropy_bound <= ENTROPY_LIMIT, where, f"field 'entropy_bound' must be "
+               f"in (0, {ENTROPY_LIMIT}], got {self.entropy_bound}")
+        # logits (soft-capped at 30) / t stay finite in float32 within these
+        _check_range(self, where, "t_min", TEMPERATURE_RANGE[0], TEMPERATURE_RANGE[1])
+        _check_range(self, where, "t_max", TEMPERATURE_RANGE[0], TEMPERATURE_RANGE[1])
         _check(self.t_max > self.t_min, where,
                f"field 't_max' ({self.t_max}) must be > t_min ({self.t_min})")
-        _check(self.confidence >= 0, where, "field 'confidence' must be >= 0")
+        _check_range(self, where, "confidence", 0, ENTROPY_LIMIT)

@@ -50,7 +50,8 @@ class CanvasEngine:
     grammars = None  # no structured output for this family
 
     def __init__(self, cfg: DiffusionGemmaConfig, params: Any, *, batch_size: int = 4,
-                 page_size: int = 64, max_len: int | None = None, kv_pool_tokens: int | None = None,
+                 page_size: int = programs.PAGE_SIZE, max_len: int | None = None,
+                 kv_pool_tokens: int | None = None,
                  prefill_chunk: int = 64, steps_per_call: int = 64, tokenizer=None,
                  defaults: CanvasDecoding = CanvasDecoding(), sampler_rows: int = SAMPLER_ROWS,
                  mesh: jax.sharding.Mesh | None = None):
@@ -169,7 +170,7 @@ class CanvasEngine:
                 break  # its next page is a prompt page still prefilling: map it once it is in
             i = free[len(out.admitted)]
             out.admitted.append(request)
-            row = CanvasRow(request, self.pages.reserve(tokens, shared), len(request.prompt),
+            row = CanvasRow(request, self.pages.reserve(tokens, shared),
                             canvas_checks.canvases(self.cfg, request.decode))
             row.prefilled, row.page_keys = len(shared) * self.pages.page, keys
             self.rows.add(i, row)
@@ -209,11 +210,11 @@ class CanvasEngine:
         apart, fused, fresh = (np.zeros(b, bool) for _ in range(3))
         cached, index = np.zeros(b, np.int32), np.zeros(b, np.int32)
         for i, row in busy.items():
-            cached[i], index[i], fresh[i] = row.cached_len, row.index, row.fresh
+            cached[i], index[i], fresh[i] = row.cached_len(c), row.index, row.fresh
             if row.commit is not None:
                 commit[i] = row.commit
                 (fused if row.request.decode.buffer_size == 2 else apart)[i] = True
-        table = self.table()
+        table = self._tables()[1]
         t0 = time.perf_counter()
         if apart.any():
             self._layers = programs.encode(self.params, self.cfg, self._layout, self._layers,
@@ -242,10 +243,16 @@ class CanvasEngine:
     # ---------------------------------------------------------------- device state
     def table(self) -> np.ndarray:
         """[B, pages per row] the busy rows' page table (rebuilt when rows change)."""
+        return self._tables()[0]
+
+    def _tables(self) -> tuple[np.ndarray, jax.Array]:
+        """The page table on the host and on the mesh: sent once per change of rows, not per
+        decode call."""
         if self._table is None:
             held = {i: r.pages for i, r in self.rows.items()}
-            self._table = page_table(held, self.batch_size, self.pages.pages_per_row,
-                                     self.pages.num_pages)
+            host = page_table(held, self.batch_size, self.pages.pages_per_row,
+                              self.pages.num_pages)
+            self._table = host, jax.device_put(host, self._replicated)
         return self._table
 
     def _set_params(self, i: int, d: CanvasDecoding) -> None:
@@ -268,9 +275,7 @@ class CanvasEngine:
         b = self.batch_size
         self.pages.clear()
         layers = dg.allocate_pool(self.cfg, self.pages.num_pages, self.pages.page)
-        self._layout = Layout(tuple((s, s) for s in meshlib.tree_shardings(
-            [canvas_model.CACHE_AXES] * len(layers), [x["k"] for x in layers], self.mesh)),
-            self._replicated)
+        self._layout = Layout.of(layers, self.mesh)
         self._layers = self._layout.pin_layers(layers)
         self._decodings = [self.defaults] * b
         self._params = self._table = None
@@ -293,12 +298,12 @@ class CanvasEngine:
                                        self.table()[:1], chunk, zeros[:1], no[:1])
         say("compiling the commit")
         self._layers = programs.encode(self.params, self.cfg, self._layout, self._layers,
-                                       self.table(), np.zeros((b, c), np.int32), zeros, no)
+                                       self._tables()[1], np.zeros((b, c), np.int32), zeros, no)
         for commit in (None, np.zeros((b, c), np.int32)):
             say("compiling the denoising round" + (" with commits" if commit is not None else ""))
             self._state, self._layers, _ = programs.denoise_round(
                 self.params, self.cfg, self._layout, self._params_device(), self._state,
-                self._layers, self.table(), zeros, zeros, no, np.ones(b, bool), commit, no,
+                self._layers, self._tables()[1], zeros, zeros, no, np.ones(b, bool), commit, no,
                 np.int32(1), self.sampler_rows)
         jax.block_until_ready(self._layers)
 

@@ -7,26 +7,38 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 
+from mbd_jax import canvas_model
 from mbd_jax.decoding import canvas_loop
 from mbd_jax.model import diffusion_gemma as dg
+from mbd_jax.parallel import mesh as meshlib
+
+PAGE_SIZE = 64  # positions per KV page, by default
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Where an engine's device buffers live (hashable: the programs take it as a static
-    argument): each layer's (k, v) pool sharding, and the replicated one of the canvas state."""
+    argument): each layer's pool sharding (its k and v alike: canvas_model.CACHE_AXES), and the
+    replicated one of the canvas state."""
 
-    layers: tuple[tuple[jax.sharding.NamedSharding, jax.sharding.NamedSharding], ...]
+    layers: tuple[jax.sharding.NamedSharding, ...]
     replicated: jax.sharding.NamedSharding
+
+    @classmethod
+    def of(cls, pool: list[dict[str, Any]], mesh: jax.sharding.Mesh) -> Layout:
+        """The layout of a pool (arrays or shapes, dg.allocate_pool's) on `mesh`."""
+        keys = [x["k"] for x in pool]
+        return cls(tuple(meshlib.tree_shardings([canvas_model.CACHE_AXES] * len(keys), keys,
+                                                mesh)), meshlib.replicated(mesh))
 
     def pin_layers(self, layers: list[dict[str, jax.Array]]) -> list[dict[str, jax.Array]]:
         put = jax.lax.with_sharding_constraint if isinstance(layers[0]["k"], jax.core.Tracer) \
             else jax.device_put
-        return [{"k": put(x["k"], k), "v": put(x["v"], v)}
-                for x, (k, v) in zip(layers, self.layers)]
+        return [{n: put(x[n], s) for n in ("k", "v")} for x, s in zip(layers, self.layers)]
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2), donate_argnums=3)

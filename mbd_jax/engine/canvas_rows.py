@@ -5,7 +5,6 @@ counted, and the rule that turns a finished canvas into output (`canvas_output`)
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import numpy as np
 
@@ -27,7 +26,6 @@ def canvas_output(canvas: list[int], room: int, eos_ids) -> tuple[list[int], boo
 class CanvasRow:
     request: EngineRequest
     pages: list[int]  # KV pool pages held, in order
-    cached_len: int  # positions in its cache: the current canvas starts here
     canvases: int  # canvases its token budget allows
     prefilled: int = 0  # prompt positions [0, prefilled) are in its pages
     page_keys: list[bytes] = dataclasses.field(default_factory=list)  # its prompt pages'
@@ -40,7 +38,11 @@ class CanvasRow:
     passes: int = 0  # decoder passes over its finished canvases
     commits_apart: int = 0  # commits that took a forward of their own (buffer_size 1)
     ending: str | None = None  # "cancel" or "stop" (engine.end)
-    started: float = dataclasses.field(default_factory=time.monotonic)
+
+    def cached_len(self, canvas_length: int) -> int:
+        """Positions in its cache, where its current canvas starts: the prompt and the
+        canvases before it."""
+        return len(self.request.prompt) + self.index * canvas_length
 
     @property
     def prefilling(self) -> bool:
@@ -57,7 +59,7 @@ class CanvasRow:
         finished = has_eos or self.index + 1 >= self.canvases
         if not finished:
             self.commit, self.fresh = argmax, True
-            self.index, self.cached_len = self.index + 1, self.cached_len + cfg.canvas_length
+            self.index += 1
         return RowEvent(self.request, new, None, finished=finished)
 
     def result(self, tokenizer, reason: str | None, seconds: float) -> GenerationResult:

@@ -13,7 +13,6 @@ import dataclasses
 import logging
 import pathlib
 import re
-import secrets
 import uuid
 from typing import Any
 
@@ -76,14 +75,16 @@ class Service:
         self.gate = keys.Gate(self.api_keys, s)
         model = self.scheduler.engine.cfg
         self.canvas = isinstance(self.scheduler.engine, CanvasEngine)
+        # a canvas model has no mask token and no edit ops
+        mask, ops = (None, False) if self.canvas else (model.mask_token_id, bool(model.edit_op_ids))
         self.openapi = protocol.openapi("mbd-jax", __version__, protocol.Limits(
             model=self.model_name, max_new_tokens=self.cfg.generation.max_new_tokens_limit, prompts=s.max_segments,
-            vocab_size=model.vocab_size, mask_token_id=getattr(model, "mask_token_id", -1),
-            context=model.max_seq_len, buffer_size=s.buffer_size,
-            max_nfe=self.cfg.generation.max_nfe_limit, can_vote=self.scheduler.engine.can_vote,
-            edit_ops=bool(getattr(model, "edit_op_ids", ()))))
+            vocab_size=model.vocab_size, mask_token_id=mask, context=model.max_seq_len,
+            buffer_size=s.buffer_size, max_nfe=self.cfg.generation.max_nfe_limit,
+            can_vote=self.scheduler.engine.can_vote, edit_ops=ops))
         if self.canvas:  # the family's own decoding settings
-            self.openapi["components"]["schemas"]["DecodeConfig"] = canvas_requests.decoding_schema()
+            schemas = self.openapi["components"]["schemas"]
+            schemas["DecodeConfig"] = canvas_requests.decoding_schema()
 
     # ------------------------------------------------------------ request checks
     def authorize(self, request: HTTPRequest, route: str, admin: bool = False) -> keys.Caller:
@@ -205,13 +206,9 @@ class Service:
         try:
             d = from_dict(DecodeConfig, base, where="decoding")
             self.scheduler.engine.check_decode(d)
-        except UserError as e:  # "decoding.voting: field 'pattern' ..." -> decoding.voting.pattern
-            field, where = getattr(e, "field", None), str(e).split(": ", 1)[0]
-            where = where if where.startswith("decoding") and " " not in where else "decoding"
-            raise HTTPError(400, str(e), param=f"{where}.{field}" if field else where) from None
-        seeds = ([(d.seed + j) % 2**31 for j in range(count)] if seeded
-                 else [secrets.randbelow(2**31) for _ in range(count)])
-        return [dataclasses.replace(d, seed=s) for s in seeds], max_field if explicit else None
+        except UserError as e:
+            raise protocol.decoding_error(e) from None
+        return protocol.per_choice(d, seeded, count), max_field if explicit else None
 
     def structure(self, req: Any, tools: ToolUse | None = None) -> Structure | None:
         """The structured output the request asks for (structured.py) or the call grammar of

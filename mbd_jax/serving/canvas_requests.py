@@ -8,7 +8,6 @@ log-probabilities, structured output and forced tool calls."""
 from __future__ import annotations
 
 import dataclasses
-import secrets
 from typing import Any
 
 import pydantic
@@ -56,12 +55,9 @@ def decode_configs(svc, req: Any, thinking: bool, count: int, max_field: str,
     try:
         d = from_dict(CanvasDecoding, base | overrides, where="decoding")
         engine.check_decode(d)
-    except UserError as e:  # "decoding: field 't_max' ..." -> decoding.t_max
-        field = str(e).split("field '", 1)[1].split("'", 1)[0] if "field '" in str(e) else None
-        raise HTTPError(400, str(e), param=f"decoding.{field}" if field else "decoding") from None
-    seeds = ([(d.seed + j) % 2**31 for j in range(count)] if seeded
-             else [secrets.randbelow(2**31) for _ in range(count)])
-    return [dataclasses.replace(d, seed=s) for s in seeds], max_field if explicit else None
+    except UserError as e:
+        raise protocol.decoding_error(e) from None
+    return protocol.per_choice(d, seeded, count), max_field if explicit else None
 
 
 def _refuse_structure(req: Any, tools) -> None:

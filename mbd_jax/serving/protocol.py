@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import secrets
 from typing import Annotated, Any, Literal
 
 import pydantic
@@ -27,6 +28,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSche
 
 from mbd_jax.config import DecodeConfig
 from mbd_jax.config.decoding import RANGES
+from mbd_jax.errors import UserError
 from mbd_jax.serving import structured, tool_use
 from mbd_jax.serving.errors import HTTPError
 
@@ -369,6 +371,22 @@ def token_budget(req: BaseModel, max_field: str, overrides: dict, limit: int,
     return max_field, budget is not None
 
 
+def decoding_error(e: UserError) -> HTTPError:
+    """The 400 of a bad decoding setting, its param the field's public path ("decoding.voting:
+    field 'pattern' ..." -> decoding.voting.pattern)."""
+    field, where = getattr(e, "field", None), str(e).split(": ", 1)[0]
+    where = where if where.startswith("decoding") and " " not in where else "decoding"
+    return HTTPError(400, str(e), param=f"{where}.{field}" if field else where)
+
+
+def per_choice(d: Any, seeded: bool, count: int) -> list[Any]:
+    """`count` copies of decoding settings `d`, one per choice: a seeded request's choice j
+    with seed + j, an unseeded one's with fresh randomness each."""
+    seeds = ([(d.seed + j) % 2**31 for j in range(count)] if seeded
+             else [secrets.randbelow(2**31) for _ in range(count)])
+    return [dataclasses.replace(d, seed=s) for s in seeds]
+
+
 class RequestError(ValueError):
     def __init__(self, message: str, param: str | None):
         super().__init__(message)
@@ -383,7 +401,7 @@ class Limits:
     max_new_tokens: int  # generation.max_new_tokens_limit
     prompts: int  # server.max_segments: prompts x n, or segments, per request
     vocab_size: int  # token ids in [0, vocab_size) ...
-    mask_token_id: int  # ... except this one
+    mask_token_id: int | None  # ... except this one (None: a model without a mask token)
     context: int  # a token-id prompt is shorter than the model's context
     buffer_size: int  # server.buffer_size: the largest decoding.buffer_size
     max_nfe: int  # generation.max_nfe_limit
@@ -424,8 +442,9 @@ def _with_limits(schemas: dict[str, Any], limits: Limits) -> None:
     def integer_branch(prop: dict) -> dict:
         return next(s for s in prop.get("anyOf", [prop]) if s.get("type") == "integer")
 
-    token = {"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1,
-             "not": {"const": limits.mask_token_id}}
+    token = {"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1}
+    if limits.mask_token_id is not None:
+        token["not"] = {"const": limits.mask_token_id}
     ids = {"type": "array", "items": token, "minItems": 1, "maxItems": limits.context - 1}
     decoding, defs = decoding_schema(limits)
     schemas.update(defs, DecodeConfig=decoding)

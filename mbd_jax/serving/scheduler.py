@@ -293,7 +293,7 @@ class Scheduler:
             self.metrics.request_done(result, now - r.arrived)
             r.emit("done", result)
 
-        if getattr(r.decode, "voting", None) is None or by_stop:  # (a canvas model's: none)
+        if not self.engine.can_vote or r.decode.voting is None or by_stop:
             finish()
         else:
             self._voting.submit(finish)
